@@ -1,0 +1,292 @@
+"""Run configuration: pydantic v2 models, one section per stage, YAML recipes and dotted overrides.
+
+A recipe is a YAML file whose top-level keys are the sections below. Command-line overrides are
+``section.key=value`` (values parsed as YAML, so ``sft.optim.lr=1e-4`` and
+``tracking.backends=[console,wandb]`` work). Unknown keys and bad values raise ``ConfigError`` naming the
+key, the value and what is allowed. Defaults live here and nowhere else.
+
+Secrets (S3 credentials, the wandb API key) are never fields: they come from the environment
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``WANDB_API_KEY``) and so are never written with a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from infra.rl_config import RLConfig
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not validate; the message names every bad key."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Run name; used in run folders.")
+    seed: int = Field(0, ge=0, description="Global seed: data generation, model init, sampling.")
+    output_dir: str = Field("outputs", min_length=1, description="Local folder for run folders and Prefect state.")
+
+
+class SyntheticTaskConfig(Section):
+    """Exact-answer arithmetic in GSM8K's answer format: 'a + b - c' with worked steps and '#### N'."""
+
+    num_train: int = Field(4000, gt=0, description="Training problems.")
+    num_validation: int = Field(200, gt=0, description="Held-out problems; never overlap with training.")
+    num_terms: int = Field(3, ge=2, le=6, description="Operands per problem (difficulty).")
+    max_operand: int = Field(50, ge=2, le=10**6, description="Operands are drawn from [1, max_operand].")
+    operators: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1, description="Operators used.")
+
+
+class ColumnMapping(Section):
+    """Where a user's file keeps each field; names are column names of the file."""
+
+    question: str = Field("question", description="Column with the prompt text (or a verl chat list).")
+    answer: str = Field("answer", description="Column with the ground truth (or a full '... #### N' answer).")
+    response: str | None = Field(None, description="Column with an SFT response; None: use `answer`.")
+    data_source: str | None = Field(None, description="Column with data_source; None: `data.data_source`.")
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "gsm8k", "file"] = Field("synthetic", description="Which recipe in data/.")
+    synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+    gsm8k_path: str = Field(
+        "openai/gsm8k", description="Hub dataset id, or a local folder/file with GSM8K-format JSONL/parquet."
+    )
+    path: str | None = Field(None, description="source=file: a local .parquet/.jsonl (or a folder of them).")
+    columns: ColumnMapping = Field(default_factory=ColumnMapping)
+    data_source: str = Field("custom", min_length=1, description="data_source for file rows without one.")
+    validation_fraction: float = Field(0.1, gt=0, lt=1, description="source=file: share held out.")
+    max_train_samples: int | None = Field(None, gt=0, description="Cap on training rows (None: all).")
+    max_validation_samples: int | None = Field(None, gt=0, description="Cap on held-out rows (None: all).")
+    max_prompt_length: int = Field(128, gt=0, description="Prompt tokens (chat template applied).")
+    max_response_length: int = Field(64, gt=0, description="Response tokens for SFT targets and rollouts.")
+    filter_overlong_prompts: bool = Field(True, description="Drop prompts over max_prompt_length (counted).")
+    truncation: Literal["error", "left", "right"] = Field(
+        "error", description="Prompts still over max_prompt_length: error, or keep the right/left part."
+    )
+    bad_rows: Literal["error", "skip"] = Field("error", description="Malformed rows: fail, or skip and count.")
+
+
+class TinyModelConfig(Section):
+    """A small model built offline from this config plus a tokenizer trained on the task's text."""
+
+    arch: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture family.")
+    hidden_size: int = Field(128, gt=0, multiple_of=8)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+    vocab_size: int = Field(384, ge=300, description="BPE vocabulary incl. 256 byte tokens and specials.")
+    max_position_embeddings: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        return self
+
+
+class LoraConfig(Section):
+    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field("tiny", min_length=1, description="'tiny' (built-in spec), a local HF folder or a hub id.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    lora: LoraConfig | None = Field(None, description="Set to enable peft LoRA; null for full fine-tuning.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    trust_remote_code: bool = Field(False, description="Passed to transformers for hub models.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("cosine", description="After warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay, as a share of lr.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={list(self.betas)}: each must be in [0, 1)")
+        return self
+
+
+class SFTConfig(Section):
+    enabled: bool = Field(True, description="Run the SFT warm-start; false: RL starts from the base model.")
+    epochs: int = Field(3, gt=0)
+    train_batch_size: int = Field(32, gt=0, description="Global batch (sequences per optimizer step).")
+    micro_batch_size: int = Field(16, gt=0, description="Per-device sequences per forward/backward.")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    val_freq: int = Field(0, ge=0, description="Validation loss every N steps (0: once per epoch).")
+    save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end of each epoch).")
+    max_ckpt_to_keep: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _micro_divides_batch(self) -> SFTConfig:
+        if self.train_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train_batch_size={self.train_batch_size} must be a multiple of "
+                f"micro_batch_size={self.micro_batch_size}"
+            )
+        return self
+
+
+class EvaluateConfig(Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine for evaluation.")
+    n: int = Field(1, gt=0, description="Samples per prompt; n > 1 adds mean@n, best@n, maj@n.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when n > 1 (greedy at n=1).")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(None, gt=0, description="None: data.max_response_length.")
+    batch_size: int = Field(64, gt=0, description="Prompts per generation call.")
+    max_samples: int | None = Field(None, gt=0, description="Cap on evaluated prompts (None: all).")
+
+
+class StorageConfig(Section):
+    root: str = Field("outputs/store", min_length=1, description="Local folder or s3://bucket/prefix.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint (e.g. a local S3 server); None: AWS_ENDPOINT_URL or AWS's default."
+    )
+
+    @model_validator(mode="after")
+    def _known_protocol(self) -> StorageConfig:
+        if "://" in self.root and not self.root.startswith(("s3://", "file://", "memory://")):
+            raise ValueError(f"root={self.root!r}: use a local path, file://, memory:// or s3://bucket/prefix")
+        return self
+
+
+class TrackingConfig(Section):
+    backends: list[Literal["console", "jsonl", "wandb"]] = Field(["console", "jsonl"], description="Sinks.")
+    project: str = Field("rlpipe", min_length=1, description="wandb project.")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="WANDB_MODE.")
+    log_freq: int = Field(10, gt=0, description="Console/metrics logging every N steps.")
+
+
+class RayConfig(Section):
+    address: str | None = Field(None, description="Attach to this cluster ('auto', 'host:port'); None: local.")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs of a local cluster (None: all).")
+    num_devices_per_node: int = Field(1, gt=0, description="Workers (GPUs or CPU slots) per node.")
+    num_nodes: int = Field(1, gt=0)
+
+
+class Config(Section):
+    """A whole run: one section per stage plus storage, tracking and Ray."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a', 'b', 'c'], value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. sft.optim.lr=1e-4")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.split("."), value
+
+
+def apply_override(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _allowed_fields(loc: tuple) -> list[str]:
+    """Field names of the section at `loc` (used to list what an unknown key could have been)."""
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model else None
+        if field is None:
+            return []
+        model = next((a for a in _annotation_models(field.annotation)), None)
+    return sorted(model.model_fields) if model else []
+
+
+def _annotation_models(annotation: Any):
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        yield from _annotation_models(arg)
+
+
+def _format_error(err: dict) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-after", "tagged"))))
+    key = ".".join(str(p) for p in loc) or "<root>"
+    value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_fields(loc[:-1])
+        return f"unknown key {key!r} (value {value!r}); allowed here: {', '.join(allowed)}"
+    shown = value if not isinstance(value, dict) else "{...}"
+    return f"{key} = {shown!r}: {err['msg']}"
+
+
+def validate(tree: dict) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        lines = [_format_error(e) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML recipe (or the defaults), apply dotted overrides, validate."""
+    tree: dict = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r} not found; recipes live in recipes/ (e.g. recipes/demo.yaml)")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe {str(path)!r}: the top level must be a mapping of sections")
+    for text in overrides:
+        apply_override(tree, *parse_override(text))
+    return validate(tree)
+
+
+def to_yaml(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def config_hash(*parts: BaseModel | dict | str | None) -> str:
+    """Stable short hash of config sections and input versions: the basis of cache keys."""
+    canon = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
+    blob = json.dumps(canon, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
