@@ -1,0 +1,333 @@
+"""A user's local parquet/JSONL rows, mapped to the pipeline's `Example`s by `data.columns`.
+
+This module also holds what every recipe shares: `Example` (one problem before it is written in verl's
+schema), `Splits`, reading local files with row locations for error messages, the bad-row policy
+(`data.bad_rows`: error or skip and count) and the seeded train/validation split.
+
+A file (or a folder of files) is read in one of two layouts, detected from its columns:
+
+- mapped: `data.columns` names the question column (plain text, or already a verl chat list), the answer
+  column (a bare ground truth, or a full answer whose ground truth follows the last `####`), an optional
+  SFT response column (default: the answer) and an optional data_source column (default:
+  `data.data_source`);
+- verl: columns `prompt` (chat list) and `reward_model` (`{"ground_truth": ...}`), optionally
+  `data_source`, `ability`, `extra_info`; rows are passed through after the same validation.
+
+A folder where some file names hold the word test/validation/valid/val/dev/eval keeps that split (those
+files are the validation split, all others the training split); any other file or folder is split by
+`data.validation_fraction` with the run's seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from infra.config import ColumnMapping, DataConfig
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+SUFFIXES = (".parquet", ".jsonl")
+VALIDATION_WORDS = {"test", "validation", "valid", "val", "dev", "eval"}
+VERL_COLUMNS = ("prompt", "reward_model")
+EXTRA_INFO_KEYS = ("split", "index", "question", "answer")  # written by data_prep; others pass through
+NUMBER = re.compile(r"-?[0-9][0-9,]*(\.[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem, before it is written in verl's schema."""
+
+    prompt: list[dict[str, str]]  # chat list: [{"role": "user", "content": ...}]
+    ground_truth: str
+    response: str  # SFT target
+    question: str  # the question text (the last user turn for chat-list input)
+    answer: str  # the full reference answer
+    data_source: str
+    ability: str
+    index: int  # row index in its source (file, hub split or generator)
+    extra: dict[str, Any] = field(default_factory=dict)  # other extra_info keys of verl-schema input
+
+
+@dataclass
+class Splits:
+    train: list[Example]
+    validation: list[Example]
+    num_skipped_rows: int = 0
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a row came from, for messages: `row 17 (line 18) of data.jsonl`."""
+
+    file: str
+    index: int
+    line: int | None = None
+
+    def __str__(self) -> str:
+        line = f" (line {self.line})" if self.line is not None else ""
+        return f"row {self.index}{line} of {self.file}"
+
+
+class BadRow(ValueError):
+    """A row that cannot become an Example; the message names the field and what is wrong."""
+
+
+Row = tuple[Location, "dict | BadRow"]
+Convert = Callable[[dict, int], Example]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def data_files(path: Path) -> list[Path]:
+    """The .parquet/.jsonl files at `path` (a file, or a folder searched recursively), sorted."""
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+    if not files:
+        raise ValueError(f"{path}: no .parquet or .jsonl files in this folder")
+    return files
+
+
+def read_rows(path: Path) -> Iterator[Row]:
+    """Rows of one file with their locations; a JSONL line that is not a JSON object becomes a BadRow."""
+    if path.suffix == ".parquet":
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield Location(path.name, i), row
+        return
+    index = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                row = BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")
+            if not isinstance(row, dict | BadRow):
+                row = BadRow(f"a JSON {type(row).__name__}, expected an object with named fields")
+            yield Location(path.name, index, line_no), row
+            index += 1
+
+
+def split_files(files: list[Path]) -> dict[str, list[Path]]:
+    """{'train': [...], 'validation': [...]} when some file names hold a validation word, else {'all': files}.
+
+    Names are split into words at non-alphanumerics: `test.jsonl`, `gsm8k_test_sample.jsonl` and
+    `test-00000-of-00001.parquet` are validation files; every other file is a training file.
+    """
+    validation = [p for p in files if VALIDATION_WORDS & set(re.split(r"[^a-z0-9]+", p.stem.lower()))]
+    train = [p for p in files if p not in validation]
+    if not (train and validation):
+        return {"all": files}
+    return {"train": train, "validation": validation}
+
+
+def column_names(files: list[Path]) -> set[str]:
+    """Column names of the files (for JSONL: the keys of the first 1000 rows of each)."""
+    names: set[str] = set()
+    for path in files:
+        if path.suffix == ".parquet":
+            names.update(pq.read_schema(path).names)
+            continue
+        for _, (_, row) in zip(range(1000), read_rows(path), strict=False):
+            if isinstance(row, dict):
+                names.update(row)
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad rows and splitting
+
+
+def convert_rows(rows: Iterable[Row], convert: Convert, bad_rows: str) -> tuple[list[Example], int]:
+    """Apply `convert` to every row; a BadRow raises ValueError (bad_rows=error) or is counted (skip)."""
+    examples, skipped, first = [], 0, None
+    for where, row in rows:
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            examples.append(convert(row, where.index))
+        except BadRow as exc:
+            if bad_rows == "error":
+                raise ValueError(f"{where}: {exc}; fix the row or set data.bad_rows=skip") from None
+            skipped += 1
+            first = first or f"{where}: {exc}"
+    if skipped:
+        logger.warning("skipped %d bad rows (data.bad_rows=skip); the first: %s", skipped, first)
+    return examples, skipped
+
+
+def split_by_fraction(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Hold out round(fraction * n) examples (at least 1) chosen by `seed`; both keep the source order."""
+    n = len(examples)
+    if n < 2:
+        raise ValueError(f"only {n} valid rows: data.validation_fraction needs at least 2 to split")
+    num_validation = min(n - 1, max(1, round(fraction * n)))
+    held_out = set(random.Random(seed).sample(range(n), num_validation))
+    train = [e for i, e in enumerate(examples) if i not in held_out]
+    validation = [e for i, e in enumerate(examples) if i in held_out]
+    return train, validation
+
+
+def load_local(path: Path, convert: Convert, cfg: DataConfig, seed: int) -> Splits:
+    """Read a local file or folder, convert every row, split by file names or by validation_fraction."""
+    groups = split_files(data_files(path))
+    converted, skipped = {}, 0
+    for name, files in groups.items():
+        rows = (row for p in files for row in read_rows(p))
+        converted[name], n = convert_rows(rows, convert, cfg.bad_rows)
+        skipped += n
+    if "all" in converted:
+        train, validation = split_by_fraction(converted["all"], cfg.validation_fraction, seed)
+    else:
+        train, validation = converted["train"], converted["validation"]
+    return Splits(train, validation, skipped)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fields
+
+
+def text_field(row: dict, key: str, label: str) -> str:
+    value = row.get(key)
+    if value is None:
+        raise BadRow(f"{label} is missing")
+    if not isinstance(value, str):
+        raise BadRow(f"{label} is {type(value).__name__} {_short(value)}, expected text")
+    if not value.strip():
+        raise BadRow(f"{label} is empty")
+    return value
+
+
+def chat_field(value: Any, label: str) -> list[dict[str, str]]:
+    """A verl chat list: [{"role": "system"|"user"|"assistant", "content": str}, ...] with a user turn."""
+    if not isinstance(value, list):
+        raise BadRow(f"{label} is {type(value).__name__} {_short(value)}, expected a chat list")
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)):
+            raise BadRow(f"{label}[{i}] is {_short(message)}; expected {{'role': one of {ROLES}, 'content': text}}")
+    if not any(m["role"] == "user" and m["content"].strip() for m in value):
+        raise BadRow(f"{label} has no non-empty user message")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def last_user_content(prompt: list[dict[str, str]]) -> str:
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+def ground_truth_of(answer: str, label: str) -> str:
+    """A bare ground truth as is; from a full answer, the text after its last '####' (commas out of numbers)."""
+    if "####" not in answer:
+        return answer.strip()
+    truth = answer.rsplit("####", 1)[1].strip()
+    if not truth:
+        raise BadRow(f"{label} has nothing after '####'")
+    return truth.replace(",", "") if NUMBER.fullmatch(truth) else truth
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# Row layouts
+
+
+def mapped_example(row: dict, index: int, columns: ColumnMapping, default_data_source: str) -> Example:
+    """A row of a mapped file (see the module docstring)."""
+
+    def label(name: str) -> str:
+        return f"field {getattr(columns, name)!r} (mapped by data.columns.{name})"
+
+    question = row.get(columns.question)
+    if isinstance(question, list):
+        prompt = chat_field(question, label("question"))
+        question = last_user_content(prompt)
+    else:
+        question = text_field(row, columns.question, label("question"))
+        prompt = [{"role": "user", "content": question}]
+    answer = text_field(row, columns.answer, label("answer"))
+    response = text_field(row, columns.response, label("response")) if columns.response else answer
+    data_source = text_field(row, columns.data_source, label("data_source")) if columns.data_source else None
+    return Example(
+        prompt=prompt,
+        ground_truth=ground_truth_of(answer, label("answer")),
+        response=response,
+        question=question,
+        answer=answer,
+        data_source=data_source or default_data_source,
+        ability="custom",
+        index=index,
+    )
+
+
+def verl_example(row: dict, index: int, columns: ColumnMapping, default_data_source: str) -> Example:
+    """A row already in verl's schema; extra_info keys other than split/index/question/answer pass through."""
+    prompt = chat_field(row.get("prompt"), "field 'prompt'")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict):
+        raise BadRow(f"field 'reward_model' is {_short(reward_model)}, expected {{'ground_truth': text}}")
+    ground_truth = text_field(reward_model, "ground_truth", "field 'reward_model.ground_truth'")
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise BadRow(f"field 'extra_info' is {_short(extra)}, expected a struct/object")
+    data_source = text_field(row, "data_source", "field 'data_source'") if "data_source" in row else None
+    answer = extra.get("answer") if isinstance(extra.get("answer"), str) else ground_truth
+    response = text_field(row, columns.response, f"field {columns.response!r}") if columns.response else answer
+    question = extra.get("question")
+    return Example(
+        prompt=prompt,
+        ground_truth=ground_truth,
+        response=response,
+        question=question if isinstance(question, str) else last_user_content(prompt),
+        answer=answer,
+        data_source=data_source or default_data_source,
+        ability=row["ability"] if isinstance(row.get("ability"), str) else "custom",
+        index=extra["index"] if isinstance(extra.get("index"), int) else index,
+        extra={k: v for k, v in extra.items() if k not in EXTRA_INFO_KEYS},
+    )
+
+
+def load_files(cfg: DataConfig, seed: int) -> Splits:
+    """source=file: the file or folder at `data.path`, mapped by `data.columns` or in verl's schema."""
+    if cfg.path is None:
+        raise ValueError("data.source=file needs data.path: a local .parquet/.jsonl file or a folder of them")
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise ValueError(f"data.path={cfg.path!r} does not exist; point it at a local .parquet/.jsonl or a folder")
+    names = column_names(data_files(path))
+    is_verl = all(c in names for c in VERL_COLUMNS)
+    if not is_verl:
+        _check_mapping(cfg.columns, names, cfg.path)
+    layout = verl_example if is_verl else mapped_example
+    logger.info("reading %s as %s rows", cfg.path, "verl-schema" if is_verl else "mapped")
+
+    def convert(row: dict, index: int) -> Example:
+        return layout(row, index, cfg.columns, cfg.data_source)
+
+    return load_local(path, convert, cfg, seed)
+
+
+def _check_mapping(columns: ColumnMapping, names: set[str], path: str) -> None:
+    """A mapped column absent from every row is a configuration error, not a bad row."""
+    for name, column in columns.model_dump().items():
+        if column is not None and column not in names:
+            raise ValueError(
+                f"data.columns.{name}={column!r} is not a column of {path} (columns: {sorted(names)}); "
+                f"set data.columns.{name}=<one of those>"
+            )

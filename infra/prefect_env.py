@@ -1,0 +1,23 @@
+"""Where Prefect keeps its state: inside the project's `outputs/` folder unless the user says otherwise.
+
+Prefect reads its settings from the environment when it is imported, so `configure()` runs before any
+`import prefect` (from `flows/__init__.py` and `tasks/__init__.py`). Every variable is only a default:
+a user's own PREFECT_HOME / PREFECT_API_URL (a real server, a deployment's worker) wins.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+
+
+def configure() -> None:
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(PROJECT_DIR / "outputs" / ".prefect")))
+    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "stages,infra,data")  # our loggers in run logs
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,217 @@
+"""Data prep stage: a recipe's examples -> verl-schema RL parquet + SFT parquet; and the shared prompt loader.
+
+`run_data_prep` writes into `out_dir`:
+
+- `train.parquet`, `validation.parquet` (verl's RL schema, `RL_SCHEMA`): `data_source` string,
+  `prompt` list<struct<role: string, content: string>>, `ability` string,
+  `reward_model` struct<style: string ("rule"), ground_truth: string>,
+  `extra_info` struct<split: string, index: int64, question: string, answer: string, ...>;
+- `sft_train.parquet`, `sft_validation.parquet`: `prompt` (same chat list) and `response` string;
+- `stats.json`, also returned.
+
+Every row is validated and every table built before the first file is written, so a bad row leaves no
+half-written dataset.
+
+`load_prompts` reads an RL parquet for SFT/RL/evaluation with verl's `RLHFDataset` semantics: the chat
+template is applied with `add_generation_prompt=True`; prompts over `data.max_prompt_length` tokens are
+dropped when `data.filter_overlong_prompts`, else handled by `data.truncation` (error, left: keep the last
+tokens, right: keep the first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.files import Example, Splits, load_files
+from data.gsm8k import load_gsm8k
+from data.synthetic import load_synthetic
+from infra.config import DataConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+RECIPES: dict[str, Callable[[DataConfig, int], Splits]] = {
+    "synthetic": load_synthetic,
+    "gsm8k": load_gsm8k,
+    "file": load_files,
+}
+ROLE_NAMES = ["system", "user", "assistant"]
+CHAT = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
+EXTRA_INFO_FIELDS = [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.string())]
+RL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", CHAT),
+        ("ability", pa.string()),
+        ("reward_model", REWARD_MODEL),
+        ("extra_info", pa.struct(EXTRA_INFO_FIELDS)),
+    ]
+)
+SFT_SCHEMA = pa.schema([("prompt", CHAT), ("response", pa.string())])
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+# --------------------------------------------------------------------------------------------------
+# The stage
+
+
+def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
+    """Build the dataset of `cfg.source` and write the RL and SFT splits plus stats.json to `out_dir`."""
+    splits = RECIPES[cfg.source](cfg, seed)
+    train, train_dropped = _cap(splits.train, cfg.max_train_samples, "data.max_train_samples")
+    validation, validation_dropped = _cap(splits.validation, cfg.max_validation_samples, "data.max_validation_samples")
+    for name, rows in (("train", train), ("validation", validation)):
+        if not rows:
+            raise ValueError(f"data.source={cfg.source}: the {name} split is empty; check the input or its bad rows")
+    schema = rl_schema(train + validation)
+    tables = {
+        "train.parquet": rl_table(train, "train", schema),
+        "validation.parquet": rl_table(validation, "validation", schema),
+        "sft_train.parquet": sft_table(train),
+        "sft_validation.parquet": sft_table(validation),
+    }
+    stats = {
+        "source": cfg.source,
+        "num_train": len(train),
+        "num_validation": len(validation),
+        "num_skipped_rows": splits.num_skipped_rows,
+        "num_train_dropped_by_cap": train_dropped,
+        "num_validation_dropped_by_cap": validation_dropped,
+        "data_sources": dict(Counter(e.data_source for e in train + validation)),
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, table in tables.items():
+        pq.write_table(table, out_dir / name)
+    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    logger.info("data prep (%s): %d train, %d validation rows -> %s", cfg.source, len(train), len(validation), out_dir)
+    return stats
+
+
+def _cap(examples: list[Example], cap: int | None, key: str) -> tuple[list[Example], int]:
+    if cap is None or len(examples) <= cap:
+        return examples, 0
+    logger.info("%s=%d: keeping the first %d of %d rows", key, cap, cap, len(examples))
+    return examples[:cap], len(examples) - cap
+
+
+def rl_schema(examples: list[Example]) -> pa.Schema:
+    """RL_SCHEMA, with extra_info extended by the keys that verl-schema input passes through (types inferred)."""
+    extras = [e.extra for e in examples]
+    if not any(extras):
+        return RL_SCHEMA
+    try:
+        inferred = pa.array(extras).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(f"extra_info of the input has keys whose types differ between rows: {exc}") from None
+    extra_info = pa.struct(EXTRA_INFO_FIELDS + [inferred.field(i) for i in range(inferred.num_fields)])
+    return RL_SCHEMA.set(RL_SCHEMA.get_field_index("extra_info"), pa.field("extra_info", extra_info))
+
+
+def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table:
+    rows = [
+        {
+            "data_source": e.data_source,
+            "prompt": e.prompt,
+            "ability": e.ability,
+            "reward_model": {"style": "rule", "ground_truth": e.ground_truth},
+            "extra_info": {**e.extra, "split": split, "index": e.index, "question": e.question, "answer": e.answer},
+        }
+        for e in examples
+    ]
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def sft_table(examples: list[Example]) -> pa.Table:
+    return pa.Table.from_pylist([{"prompt": e.prompt, "response": e.response} for e in examples], schema=SFT_SCHEMA)
+
+
+def corpus_texts(out_dir: Path) -> list[str]:
+    """Prompt contents and responses of the written train split, plus the role names (tokenizer training)."""
+    out_dir = Path(out_dir)
+    texts = [m["content"] for chat in pq.read_table(out_dir / "train.parquet")["prompt"].to_pylist() for m in chat]
+    sft = pq.read_table(out_dir / "sft_train.parquet").to_pydict()
+    texts += [m["content"] for chat in sft["prompt"] for m in chat] + sft["response"] + ROLE_NAMES
+    return list(dict.fromkeys(texts))
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts for SFT / RL / evaluation
+
+
+@dataclass
+class PromptSet:
+    """Parallel per-prompt lists of a verl-schema parquet after the chat template and length handling."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)  # chat template applied, generation prompt added
+    prompts: list[list[dict[str, str]]] = field(default_factory=list)  # the chat lists as stored
+    data_sources: list[str] = field(default_factory=list)
+    ground_truths: list[str] = field(default_factory=list)
+    extra_infos: list[dict[str, Any]] = field(default_factory=list)
+    num_filtered: int = 0  # dropped: over max_prompt_length with filter_overlong_prompts
+    num_truncated: int = 0  # cut to max_prompt_length by truncation=left|right
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def load_prompts(parquet_path: str | Path, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptSet:
+    """Tokenize the prompts of a verl-schema parquet with the chat template; filter or truncate overlong ones."""
+    path = Path(parquet_path)
+    table = pq.read_table(path)
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing verl columns {missing} (has {table.column_names}); run data prep on it")
+    rows = table.to_pylist()
+    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out, limit = PromptSet(), cfg.max_prompt_length
+    for i, (row, ids) in enumerate(zip(rows, all_ids, strict=True)):
+        if len(ids) > limit:
+            if cfg.filter_overlong_prompts:
+                out.num_filtered += 1
+                continue
+            ids = _truncate(ids, cfg, f"row {i} of {path.name}")
+            out.num_truncated += 1
+        out.prompt_ids.append(list(ids))
+        out.prompts.append(row["prompt"])
+        out.data_sources.append(row["data_source"])
+        out.ground_truths.append(row["reward_model"]["ground_truth"])
+        out.extra_infos.append(row.get("extra_info") or {})
+    if out.num_filtered:
+        logger.warning(
+            "%s: dropped %d of %d prompts over data.max_prompt_length=%d (data.filter_overlong_prompts=true)",
+            *(path.name, out.num_filtered, len(rows), limit),
+        )
+    if out.num_truncated:
+        logger.warning(
+            "%s: truncated %d of %d prompts to data.max_prompt_length=%d (data.truncation=%s)",
+            *(path.name, out.num_truncated, len(rows), limit, cfg.truncation),
+        )
+    if rows and not out.prompt_ids:
+        raise ValueError(f"{path}: all {len(rows)} prompts exceed data.max_prompt_length={limit}; raise it")
+    return out
+
+
+def _truncate(ids: list[int], cfg: DataConfig, where: str) -> list[int]:
+    limit = cfg.max_prompt_length
+    if cfg.truncation == "left":
+        return ids[-limit:]  # keep the end: the question's tail and the generation prompt
+    if cfg.truncation == "right":
+        return ids[:limit]
+    raise ValueError(
+        f"{where}: the prompt is {len(ids)} tokens, over data.max_prompt_length={limit}; raise "
+        "data.max_prompt_length, set data.truncation=left|right, or data.filter_overlong_prompts=true"
+    )

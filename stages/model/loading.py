@@ -1,0 +1,86 @@
+"""Load a Hugging Face causal LM and its tokenizer (+ peft LoRA), and save one as a plain HF folder.
+
+`path` is a local folder (e.g. an artifact fetched from the store) or a hub id. Hub ids are resolved by
+transformers as usual; nothing here special-cases the tiny models, which are ordinary local folders.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from infra.config import LoraConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning("tokenizer at %s has no pad token; using eos %r", path, tokenizer.eos_token)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer at {path} has no chat_template; model.path must point to a chat model")
+    return tokenizer
+
+
+def load_model(path: str | Path, cfg: ModelConfig, *, trainable: bool = True) -> PreTrainedModel:
+    """The causal LM at `path` in `cfg.dtype`, wrapped with LoRA when `cfg.lora` is set and trainable."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+    )
+    if trainable and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if trainable and cfg.lora is not None:
+        model = apply_lora(model, cfg.lora)
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, peft_cfg)
+    if getattr(model.base_model.model, "is_gradient_checkpointing", False):
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return model
+
+
+def unwrap_merged(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain transformers model: LoRA weights merged into a copy of the base when peft is used."""
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    """Save as a plain HF folder (safetensors, config, tokenizer with chat template, generation config)."""
+    out = Path(out_dir)
+    plain = unwrap_merged(model)
+    plain.config.use_cache = True
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the chat template, ending with the assistant turn's header."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

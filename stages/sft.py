@@ -1,0 +1,227 @@
+"""SFT warm-start: next-token loss on response tokens only, runnable without Prefect.
+
+Each optimizer step takes `sft.train_batch_size` sequences, split into micro-batches of
+`sft.micro_batch_size` with gradient accumulation. The loss is a token mean over the whole global batch:
+every micro-batch divides its summed token losses by the batch's total response-token count, so the
+gradient does not depend on how the batch is split. The epoch's sample order is a permutation seeded by
+(run.seed, epoch), so a run resumed from a checkpoint at step s sees exactly the batches it would have.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from infra.config import Config, DataConfig
+from infra.tracking import Tracker
+from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer, save_hf_folder
+from stages.model.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "train_state.pt"
+
+
+class Checkpoints(Protocol):
+    """Where a stage keeps its checkpoints (the artifact store in the pipeline, a folder in tests)."""
+
+    def latest(self) -> Path | None: ...
+
+    def save(self, step: int, local_dir: Path) -> None: ...
+
+
+@dataclass
+class SFTExample:
+    input_ids: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass
+class SFTResult:
+    model_dir: Path
+    num_steps: int
+    final_metrics: dict[str, float]
+
+
+def tokenize_sft(path: Path, tokenizer, cfg: DataConfig) -> list[SFTExample]:
+    """Prompt through the chat template + response + EOS; long prompts follow data.* (filter/truncate)."""
+    table = pq.read_table(path, columns=["prompt", "response"]).to_pylist()
+    examples, num_filtered, num_cut = [], 0, 0
+    for row in table:
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        if len(prompt) > cfg.max_prompt_length:
+            if cfg.filter_overlong_prompts:
+                num_filtered += 1
+                continue
+            prompt = _truncate(prompt, cfg)
+        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(response) > cfg.max_response_length:
+            response, num_cut = response[: cfg.max_response_length], num_cut + 1
+        examples.append(SFTExample(prompt + response, len(prompt)))
+    if num_filtered or num_cut:
+        logger.warning("%s: %d prompts over data.max_prompt_length dropped, %d responses cut to "
+                       "data.max_response_length", path.name, num_filtered, num_cut)
+    if not examples:
+        raise ValueError(f"{path}: no SFT examples left; raise data.max_prompt_length")
+    return examples
+
+
+def _truncate(prompt: list[int], cfg: DataConfig) -> list[int]:
+    if cfg.truncation == "error":
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens > data.max_prompt_length={cfg.max_prompt_length}; raise it, "
+            "or set data.filter_overlong_prompts=true or data.truncation=left|right"
+        )
+    n = cfg.max_prompt_length
+    return prompt[-n:] if cfg.truncation == "left" else prompt[:n]
+
+
+def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and a bool `loss_mask` over target positions."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[i, :n] = torch.tensor(e.input_ids)
+        attention_mask[i, :n] = 1
+        loss_mask[i, e.num_prompt_tokens : n] = True  # positions holding response tokens
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def summed_token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over response tokens of -log p(token | prefix)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:]  # token t is predicted at position t-1
+    nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T-1)
+    return (nll * mask).sum()
+
+
+def num_target_tokens(examples: list[SFTExample]) -> int:
+    return sum(len(e.input_ids) - e.num_prompt_tokens for e in examples)
+
+
+def train_step(model, optimizer, examples: list[SFTExample], micro_batch_size: int, grad_clip: float, pad_id: int):
+    """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm)."""
+    global_tokens = num_target_tokens(examples)
+    total = torch.zeros(())
+    for start in range(0, len(examples), micro_batch_size):
+        micro = collate(examples[start : start + micro_batch_size], pad_id)
+        loss = summed_token_nll(model, micro) / global_tokens
+        loss.backward()
+        total += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm
+
+
+@torch.no_grad()
+def validation_loss(model, examples: list[SFTExample], micro_batch_size: int, pad_id: int) -> torch.Tensor:
+    model.eval()
+    total = sum(summed_token_nll(model, collate(examples[s : s + micro_batch_size], pad_id))
+                for s in range(0, len(examples), micro_batch_size))
+    model.train()
+    return total / num_target_tokens(examples)
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_examples, generator=generator).tolist()
+
+
+def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpoints: Checkpoints,
+            tracker: Tracker) -> SFTResult:
+    """Train from `model_dir` on `data_dir`/sft_*.parquet; the final HF folder goes to `out_dir`."""
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    train = tokenize_sft(data_dir / "sft_train.parquet", tokenizer, cfg.data)
+    val = tokenize_sft(data_dir / "sft_validation.parquet", tokenizer, cfg.data)
+    steps_per_epoch = len(train) // cfg.sft.train_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
+    total_steps = cfg.sft.epochs * steps_per_epoch
+    torch.manual_seed(cfg.run.seed)
+    model = load_model(model_dir, cfg.model).train()
+    optimizer = build_optimizer(model.parameters(), cfg.sft.optim)
+    scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
+    step = _resume(checkpoints, model, optimizer, scheduler)
+    loop = _Loop(cfg, model, optimizer, scheduler, tokenizer.pad_token_id, tracker, checkpoints)
+    metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
+    save_hf_folder(model, tokenizer, out_dir)
+    return SFTResult(out_dir, total_steps, metrics)
+
+
+@dataclass
+class _Loop:
+    cfg: Config
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pad_id: int
+    tracker: Tracker
+    checkpoints: Checkpoints
+
+    def run(self, train, val, step, steps_per_epoch, total_steps) -> dict[str, float]:
+        sft = self.cfg.sft
+        val_freq = sft.val_freq or steps_per_epoch
+        save_freq = sft.save_freq or steps_per_epoch
+        metrics: dict[str, float] = {}
+        bar = tqdm(total=total_steps, initial=step, desc="sft", unit="step", dynamic_ncols=True)
+        while step < total_steps:
+            epoch, pos = divmod(step, steps_per_epoch)
+            order = epoch_order(len(train), self.cfg.run.seed, epoch)
+            batch = [train[i] for i in order[pos * sft.train_batch_size : (pos + 1) * sft.train_batch_size]]
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = train_step(self.model, self.optimizer, batch, sft.micro_batch_size,
+                                         sft.optim.grad_clip, self.pad_id)
+            self.scheduler.step()
+            step += 1
+            metrics = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
+                       "train/epoch": epoch}
+            if step % val_freq == 0 or step == total_steps:
+                metrics["val/loss"] = float(validation_loss(self.model, val, sft.micro_batch_size, self.pad_id))
+            self.tracker.log(metrics, step)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+            bar.update()
+            if step % save_freq == 0 and step < total_steps:
+                self._save(step)
+        bar.close()
+        return metrics
+
+    def _save(self, step: int) -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(
+                {
+                    "step": step,
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": torch.get_rng_state(),
+                },
+                Path(tmp) / CHECKPOINT_FILE,
+            )
+            self.checkpoints.save(step, Path(tmp))
+
+
+def _resume(checkpoints: Checkpoints, model, optimizer, scheduler) -> int:
+    latest = checkpoints.latest()
+    if latest is None:
+        return 0
+    state = torch.load(latest / CHECKPOINT_FILE, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    logger.info("sft: resumed from checkpoint at step %d", state["step"])
+    return int(state["step"])

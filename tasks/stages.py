@@ -1,0 +1,158 @@
+"""Prefect tasks: thin wrappers that run a stage, version its outputs in the store and cache the result.
+
+Each task's cache key is the hash of the config sections the stage reads plus the versions of its input
+artifacts (and the store root), so changing an unrelated section (say `evaluate`) does not re-run SFT.
+Tasks return artifact references as strings (`kind/name@version`); results persist as JSON under
+PREFECT_RESULTS_LOCAL_STORAGE_PATH. Code changes do not invalidate the cache (every manifest records
+the code version); run with `--refresh-cache` to force a re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra import prefect_env
+
+prefect_env.configure()
+
+from prefect import get_run_logger, task  # noqa: E402
+
+from infra.checkpoints import StoreCheckpoints  # noqa: E402
+from infra.config import Config, config_hash  # noqa: E402
+from infra.store import ArtifactRef, ArtifactStore  # noqa: E402
+from infra.tracking import Tracker  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every task of one flow run shares; never part of a cache key."""
+
+    run_id: str
+    run_dir: str
+
+
+def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
+    """A Prefect cache_key_fn over the stage's config sections and its input artifact refs."""
+
+    def key_fn(_context, params: dict) -> str:
+        cfg: Config = params["cfg"]
+        return f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
+
+    return key_fn
+
+
+def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[str]) -> str:
+    return config_hash(*sections(cfg), *inputs, cfg.storage.root)
+
+
+def _data_sections(cfg: Config) -> tuple:
+    return cfg.data, str(cfg.run.seed)
+
+
+def _base_model_sections(cfg: Config) -> tuple:
+    return cfg.model.path, cfg.model.tiny, str(cfg.run.seed)
+
+
+def _sft_sections(cfg: Config) -> tuple:
+    return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
+
+
+def _eval_sections(cfg: Config) -> tuple:
+    return cfg.evaluate, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.model.dtype
+
+
+def open_store(cfg: Config) -> ArtifactStore:
+    return ArtifactStore.from_config(cfg.storage)
+
+
+def local_model_path(store: ArtifactStore, model: str) -> str:
+    """A model input is an artifact ref (fetched from the store) or a local folder / hub id (as is)."""
+    try:
+        ref = ArtifactRef.parse(model)
+    except ValueError:
+        return model
+    return str(store.get_dir(ref))
+
+
+@task(name="data-prep", cache_key_fn=stage_key("data-prep", _data_sections), persist_result=True,
+      result_serializer="json", retries=1)
+def data_prep_task(cfg: Config) -> str:
+    from stages.data_prep import run_data_prep
+
+    log = get_run_logger()
+    store = open_store(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = run_data_prep(cfg.data, cfg.run.seed, Path(tmp))
+        ref = store.put_dir("dataset", cfg.data.source, Path(tmp),
+                            inputs={"source": _data_origin(cfg)}, config_hash=stage_hash(cfg, _data_sections, []),
+                            metadata={"stats": stats})
+    log.info("data prep: %s (%d train, %d validation rows)", ref, stats["num_train"], stats["num_validation"])
+    return str(ref)
+
+
+def _data_origin(cfg: Config) -> str:
+    return {"synthetic": "synthetic-generator", "gsm8k": cfg.data.gsm8k_path, "file": str(cfg.data.path)}[
+        cfg.data.source
+    ]
+
+
+@task(name="base-model", cache_key_fn=stage_key("base-model", _base_model_sections, ("dataset",)),
+      persist_result=True, result_serializer="json")
+def base_model_task(cfg: Config, dataset: str) -> str:
+    """'tiny': build the model + tokenizer from the dataset's text; otherwise the path/hub id as given."""
+    if cfg.model.path != "tiny":
+        return cfg.model.path
+    from stages.data_prep import corpus_texts
+    from stages.model.tiny import build_tiny_model
+
+    store = open_store(cfg)
+    data_dir = store.get_dir(ArtifactRef.parse(dataset))
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(cfg.model.tiny, corpus_texts(data_dir), cfg.run.seed, tmp)
+        ref = store.put_dir("model", f"base-tiny-{cfg.model.tiny.arch}", Path(tmp), inputs={"dataset": dataset},
+                            config_hash=stage_hash(cfg, _base_model_sections, [dataset]))
+    get_run_logger().info("base model: %s", ref)
+    return str(ref)
+
+
+@task(name="sft", cache_key_fn=stage_key("sft", _sft_sections, ("dataset", "base_model")), persist_result=True,
+      result_serializer="json", retries=1)
+def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str:
+    from stages.sft import run_sft
+
+    store = open_store(cfg)
+    key = stage_hash(cfg, _sft_sections, [dataset, base_model])
+    inputs = {"dataset": dataset, "base_model": base_model}
+    checkpoints = StoreCheckpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs)
+    data_dir = store.get_dir(ArtifactRef.parse(dataset))
+    with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "sft") as tracker:
+        result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
+        ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
+                            metadata={"steps": result.num_steps, "metrics": result.final_metrics})
+    get_run_logger().info("sft model: %s after %d steps", ref, result.num_steps)
+    return str(ref)
+
+
+@task(name="evaluate", cache_key_fn=stage_key("evaluate", _eval_sections, ("dataset", "model")),
+      persist_result=True, result_serializer="json")
+def evaluate_task(cfg: Config, dataset: str, model: str, label: str) -> dict:
+    from stages.evaluate import evaluate_model
+
+    store = open_store(cfg)
+    data_dir = store.get_dir(ArtifactRef.parse(dataset))
+    result = evaluate_model(cfg, Path(local_model_path(store, model)), data_dir / "validation.parquet")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "metrics.json").write_text(json.dumps(result.metrics, indent=2))
+        (Path(tmp) / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
+        ref = store.put_dir("eval", label, Path(tmp), inputs={"dataset": dataset, "model": model},
+                            config_hash=stage_hash(cfg, _eval_sections, [dataset, model]))
+    get_run_logger().info("evaluate %s (%s): acc=%.3f -> %s", label, model, result.metrics["acc"], ref)
+    return {"model": model, "eval": str(ref), **result.metrics}
+
+
+def _tracker(cfg: Config, ctx: RunContext, stage: str) -> Tracker:
+    return Tracker.from_config(cfg.tracking, f"{ctx.run_id}-{stage}", Path(ctx.run_dir), cfg.model_dump(mode="json"))
