@@ -40,21 +40,35 @@ def start_run(cfg: Config) -> RunContext:
 def post_train(recipe: str | None = None, overrides: list[str] | None = None) -> dict:
     """Post-train a model end to end from a YAML recipe plus dotted overrides."""
     cfg = load_config(recipe, overrides or [])
-    log = get_run_logger()
     ctx = start_run(cfg)
-    log.info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
-    dataset = data_prep_task(cfg)
-    base_model = base_model_task(cfg, dataset)
+    get_run_logger().info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
+    stages = StageLog()
+    dataset = stages.run("data-prep", data_prep_task, cfg)
+    base_model = stages.run("base-model", base_model_task, cfg, dataset)
     models = {"base": base_model}
     if cfg.sft.enabled:
-        models["sft"] = sft_task(cfg, dataset, base_model, ctx)
-    results = {label: evaluate_task(cfg, dataset, model, label) for label, model in models.items()}
-    print(summary_table(results))
-    return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results}
+        models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
+    results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
+               for label, model in models.items()}
+    print(summary_table(results, stages.states))
+    return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states}
 
 
-def summary_table(results: dict[str, dict]) -> str:
-    lines = ["", f"{'model':<8} {'held-out acc':>12}  artifact", "-" * 60]
+class StageLog:
+    """Runs tasks and remembers each one's final state name ('Completed' or 'Cached')."""
+
+    def __init__(self):
+        self.states: dict[str, str] = {}
+
+    def run(self, name: str, task, *args):
+        state = task(*args, return_state=True)
+        self.states[name] = state.name
+        return state.result()
+
+
+def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
+    lines = ["", "stages: " + ", ".join(f"{k} {v.lower()}" for k, v in states.items()), "",
+             f"{'model':<8} {'held-out acc':>12}  artifact", "-" * 60]
     for label, r in results.items():
         lines.append(f"{label:<8} {100 * r['acc']:>11.1f}%  {r['model']}")
     return "\n".join(lines)

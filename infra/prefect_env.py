@@ -15,7 +15,9 @@ PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 def configure() -> None:
     home = Path(os.environ.setdefault("PREFECT_HOME", str(PROJECT_DIR / "outputs" / ".prefect")))
+    home.mkdir(parents=True, exist_ok=True)  # Prefect does not create missing parents
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")  # slow 2-core machines
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")

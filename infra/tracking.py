@@ -11,8 +11,11 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Protocol
+
+from tqdm.auto import tqdm
 
 from infra.config import TrackingConfig
 
@@ -115,3 +118,10 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.finish()
+
+
+def progress_bar(total: int, initial: int, desc: str) -> tqdm:
+    """A tqdm bar; redrawn at most every 10 s when stderr is not a terminal (logs, CI)."""
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+                mininterval=0.5 if interactive else 10.0)

@@ -10,6 +10,7 @@ gradient does not depend on how the batch is split. The epoch's sample order is 
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -17,10 +18,9 @@ from typing import Protocol
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from infra.config import Config, DataConfig
-from infra.tracking import Tracker
+from infra.tracking import Tracker, progress_bar
 from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer, save_hf_folder
 from stages.model.optim import build_optimizer, build_scheduler
 
@@ -175,7 +175,7 @@ class _Loop:
         val_freq = sft.val_freq or steps_per_epoch
         save_freq = sft.save_freq or steps_per_epoch
         metrics: dict[str, float] = {}
-        bar = tqdm(total=total_steps, initial=step, desc="sft", unit="step", dynamic_ncols=True)
+        bar = progress_bar(total_steps, step, "sft")
         while step < total_steps:
             epoch, pos = divmod(step, steps_per_epoch)
             order = epoch_order(len(train), self.cfg.run.seed, epoch)
@@ -198,8 +198,6 @@ class _Loop:
         return metrics
 
     def _save(self, step: int) -> None:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             torch.save(
                 {

@@ -3,12 +3,25 @@ each backend, so that the same store tests run against a local folder and agains
 
 from __future__ import annotations
 
+import os
+import tempfile
+
+# Before anything imports prefect, vllm or wandb: keep their state out of the user's home and offline.
+_SESSION_DIR = tempfile.mkdtemp(prefix="rlpipe-tests-")
+os.environ["PREFECT_HOME"] = os.path.join(_SESSION_DIR, "prefect")
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_SESSION_DIR, "prefect", "results")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 import socket
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from infra.config import Config, load_config
 from infra.store import ArtifactStore
 
 
@@ -81,3 +94,48 @@ def store(request, tmp_path) -> ArtifactStore:
     server = request.getfixturevalue("s3_server")
     bucket = server.create_bucket()
     return ArtifactStore(f"s3://{bucket}/store", endpoint_url=server.endpoint_url, cache_dir=tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------------------------------
+# A tiny synthetic dataset and a tiny model built from it, shared by the tests of one session.
+
+TINY_OVERRIDES = [
+    "data.synthetic.num_train=256", "data.synthetic.num_validation=32", "data.synthetic.num_terms=2",
+    "data.synthetic.max_operand=20", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
+    "sft.epochs=1", "sft.train_batch_size=32", "sft.micro_batch_size=16", "evaluate.batch_size=32",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Config:
+    return load_config(None, TINY_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tiny_config, tmp_path_factory):
+    from stages.data_prep import run_data_prep
+
+    out = tmp_path_factory.mktemp("tiny-data")
+    run_data_prep(tiny_config.data, tiny_config.run.seed, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_config, tiny_data_dir, tmp_path_factory):
+    from stages.data_prep import corpus_texts
+    from stages.model.tiny import build_tiny_model
+
+    return build_tiny_model(tiny_config.model.tiny, corpus_texts(tiny_data_dir), 0,
+                            tmp_path_factory.mktemp("tiny-model"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop Prefect's temporary server while pytest's output capture is still open (its atexit hook
+    would otherwise log to a closed stream)."""
+    import sys
+
+    if "prefect.server.api.server" in sys.modules:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()

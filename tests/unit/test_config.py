@@ -1,0 +1,84 @@
+"""Configuration: recipes, dotted overrides and the errors users see."""
+
+from pathlib import Path
+
+import pytest
+
+from infra.config import Config, ConfigError, config_hash, load_config, parse_override, to_yaml
+
+RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    assert isinstance(load_config(recipe), Config)
+
+
+def test_overrides_are_parsed_as_yaml_and_create_sections():
+    cfg = load_config(None, ["sft.optim.lr=1e-4", "model.lora.rank=4", "tracking.backends=[console,wandb]",
+                             "storage.root=./other-store"])
+    assert cfg.sft.optim.lr == 1e-4
+    assert cfg.model.lora is not None and cfg.model.lora.rank == 4 and cfg.model.lora.alpha == 16.0
+    assert cfg.tracking.backends == ["console", "wandb"]
+    assert cfg.storage.root == "./other-store"
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("sft.optim.lr")
+
+
+def test_unknown_key_names_key_value_and_allowed_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["sft.optim.lrr=1e-4"])
+    msg = str(err.value)
+    assert "sft.optim.lrr" in msg and "1e-4" in msg and "allowed here:" in msg and "lr," in msg
+
+
+def test_negative_learning_rate_is_an_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"sft\.optim\.lr = -0\.001: Input should be greater than 0"):
+        load_config(None, ["sft.optim.lr=-0.001"])
+
+
+def test_every_bad_key_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["sft.epochs=0", "data.truncation=middle"])
+    assert "sft.epochs" in str(err.value) and "data.truncation" in str(err.value)
+
+
+def test_cross_field_check_names_both_fields():
+    with pytest.raises(ConfigError, match="train_batch_size=30 must be a multiple of micro_batch_size=8"):
+        load_config(None, ["sft.train_batch_size=30", "sft.micro_batch_size=8"])
+
+
+def test_override_into_a_value_is_an_error():
+    with pytest.raises(ConfigError, match="run.seed"):
+        load_config(None, ["run.seed.x=1"])
+    with pytest.raises(ConfigError, match="run.seed is a value, not a section"):
+        load_config(None, ["run.seed=1", "run.seed.x=1"])
+
+
+def test_missing_recipe_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("recipes/nope.yaml")
+
+
+def test_resolved_yaml_roundtrips(tmp_path):
+    cfg = load_config(None, ["sft.epochs=7"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_config_hash_depends_only_on_given_sections():
+    a = load_config(None, [])
+    b = load_config(None, ["evaluate.batch_size=3"])
+    c = load_config(None, ["sft.epochs=9"])
+    assert config_hash(a.sft, "x") == config_hash(b.sft, "x")
+    assert config_hash(a.sft, "x") != config_hash(c.sft, "x")
+    assert config_hash(a.sft, "x") != config_hash(a.sft, "y")
+
+
+def test_s3_root_with_unknown_protocol_is_rejected():
+    with pytest.raises(ConfigError, match="gs://bucket"):
+        load_config(None, ["storage.root=gs://bucket"])

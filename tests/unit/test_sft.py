@@ -1,0 +1,122 @@
+"""SFT: the loss is over response tokens only, micro-batching does not change the step, resume is exact."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from infra.checkpoints import StoreCheckpoints
+from infra.config import OptimConfig, load_config
+from infra.store import ArtifactStore
+from infra.tracking import Tracker
+from stages.model.loading import load_model, load_tokenizer
+from stages.model.optim import lr_multiplier
+from stages.sft import SFTExample, collate, run_sft, summed_token_nll, tokenize_sft, train_step
+from tests.conftest import TINY_OVERRIDES
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_config, tiny_data_dir, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    return tokenize_sft(tiny_data_dir / "sft_train.parquet", tokenizer, tiny_config.data)
+
+
+def test_targets_are_response_tokens_ending_with_eos(examples, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    e = examples[0]
+    response = tokenizer.decode(e.input_ids[e.num_prompt_tokens :])
+    assert response.endswith("<|im_end|>") and "####" in response
+    assert tokenizer.decode(e.input_ids[: e.num_prompt_tokens]).endswith("<|im_start|>assistant\n")
+
+
+def test_loss_is_summed_over_response_tokens_only(tiny_config, tiny_model_dir):
+    model = load_model(tiny_model_dir, tiny_config.model)
+    ex = [SFTExample([5, 6, 7, 8, 9], 3), SFTExample([5, 6, 7], 2)]
+    batch = collate(ex, pad_id=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits.float(), -1)
+    # targets: example 0 predicts ids[3]=8 at position 2 and ids[4]=9 at 3; example 1 predicts ids[2]=7 at 1
+    expected = -(logp[0, 2, 8] + logp[0, 3, 9] + logp[1, 1, 7])
+    torch.testing.assert_close(summed_token_nll(model, batch), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_micro_batching_does_not_change_the_step(tiny_config, tiny_model_dir, examples):
+    batch = examples[:8]
+    params = {}
+    for micro in (8, 3, 1):
+        torch.manual_seed(0)
+        model = load_model(tiny_model_dir, tiny_config.model).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss, _ = train_step(model, opt, batch, micro, grad_clip=1e9, pad_id=0)
+        params[micro] = (loss, copy.deepcopy(model.state_dict()))
+    for micro in (3, 1):
+        torch.testing.assert_close(params[micro][0], params[8][0], rtol=1e-5, atol=1e-6)
+        for name, value in params[8][1].items():
+            torch.testing.assert_close(params[micro][1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, lr_scheduler="cosine", min_lr_ratio=0.1)
+    assert lr_multiplier(0, cfg, 110) == pytest.approx(0.1)  # (0+1)/10
+    assert lr_multiplier(9, cfg, 110) == pytest.approx(1.0)  # end of warmup
+    assert lr_multiplier(60, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: cos(pi/2) = 0
+    assert lr_multiplier(110, cfg, 110) == pytest.approx(0.1)
+    linear = OptimConfig(lr=1.0, warmup_steps=0, lr_scheduler="linear")
+    assert lr_multiplier(25, linear, 100) == pytest.approx(0.75)
+
+
+class StopAt(Tracker):
+    """A tracker that kills the run (raises) when it is asked to log step `stop`."""
+
+    def __init__(self, stop: int):
+        super().__init__([])
+        self.stop = stop
+        self.seen: list[dict] = []
+
+    def log(self, metrics, step):
+        if step == self.stop:
+            raise KeyboardInterrupt(f"killed at step {step}")
+        self.seen.append({"step": step, **metrics})
+
+
+def _run(cfg, model_dir, data_dir, out, store, tracker):
+    ckpts = StoreCheckpoints(store, "sft-test", max_to_keep=2)
+    return run_sft(cfg, model_dir, data_dir, out, ckpts, tracker)
+
+
+def test_resume_after_a_kill_continues_exactly(tiny_model_dir, tiny_data_dir, tmp_path):
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "sft.save_freq=3"])  # 16 steps
+    straight = StopAt(stop=-1)
+    _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "a", ArtifactStore(str(tmp_path / "s1")), straight)
+
+    store = ArtifactStore(str(tmp_path / "s2"))
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, StopAt(stop=11))
+    assert [m.metadata["step"] for m in store.versions("checkpoint", "sft-test")] == [6, 9]  # kept last 2
+    resumed = StopAt(stop=-1)
+    _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, resumed)
+
+    assert resumed.seen[0]["step"] == 10  # continued after the checkpoint at step 9
+    by_step = {m["step"]: m for m in straight.seen}
+    for m in resumed.seen:  # same batches, same lr, same loss as the uninterrupted run
+        assert m["train/lr"] == pytest.approx(by_step[m["step"]]["train/lr"], rel=1e-12)
+        assert m["train/loss"] == pytest.approx(by_step[m["step"]]["train/loss"], rel=1e-5)
+    a = load_model(tmp_path / "a", cfg.model).state_dict()
+    b = load_model(tmp_path / "b", cfg.model).state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+def test_sft_learns_and_lora_trains_only_adapters(tiny_model_dir, tiny_data_dir, tmp_path):
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "model.lora.rank=4", "sft.optim.lr=1e-2"])
+    tracker = StopAt(stop=-1)
+    result = _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "out", ArtifactStore(str(tmp_path / "s")), tracker)
+    first, last = tracker.seen[0]["train/loss"], tracker.seen[-1]["train/loss"]
+    assert last < first - 0.5, (first, last)
+    assert math.isfinite(result.final_metrics["val/loss"])
+    merged = load_model(result.model_dir, load_config(None).model, trainable=False).state_dict()  # plain names
+    base = load_model(tiny_model_dir, load_config(None).model, trainable=False).state_dict()
+    assert set(merged) == set(base)
+    changed = [n for n in base if not torch.equal(base[n], merged[n])]
+    assert changed and all("proj" in n for n in changed)  # LoRA touched linear layers only
