@@ -1,4 +1,4 @@
-"""The post-training flow: data prep -> base model -> SFT -> evaluation (RL and merge plug in after SFT).
+"""The post-training flow: data prep -> base model -> SFT -> RL -> evaluation of each model.
 
 Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache]
 
@@ -20,7 +20,15 @@ prefect_env.configure()
 from prefect import flow, get_run_logger  # noqa: E402
 
 from infra.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
-from tasks.stages import RunContext, base_model_task, data_prep_task, evaluate_task, open_store, sft_task  # noqa: E402
+from tasks.stages import (  # noqa: E402
+    RunContext,
+    base_model_task,
+    data_prep_task,
+    evaluate_task,
+    open_store,
+    rl_task,
+    sft_task,
+)
 
 
 def start_run(cfg: Config) -> RunContext:
@@ -48,6 +56,8 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
     models = {"base": base_model}
     if cfg.sft.enabled:
         models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
+    if cfg.rl.enabled:
+        models["rl"] = stages.run("rl", rl_task, cfg, dataset, models.get("sft", base_model), ctx)
     results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
                for label, model in models.items()}
     print(summary_table(results, stages.states))

@@ -1,11 +1,157 @@
-"""Configuration of the RL stage (kept apart from infra/config.py because it is the largest section)."""
+"""Configuration of the RL stage (the largest section, so it lives apart from infra/config.py).
+
+verl users will recognise the names: `rl.train_batch_size` (prompts per step), `rl.rollout.n`,
+`rl.actor.ppo_mini_batch_size` (prompts per optimizer step, global), `rl.actor.micro_batch_size`
+(sequences per forward/backward on one device), `rl.algorithm.adv_estimator`, `rl.actor.policy_loss`,
+`rl.actor.loss_agg_mode`, `rl.algorithm.use_kl_in_reward`, `rl.actor.use_kl_loss`. Algorithms are chosen
+by config alone; `recipes/` has GRPO, Dr.GRPO, DAPO, GSPO, PPO, RLOO and REINFORCE++ settings.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class RLConfig(BaseModel):
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+
+class _Optim(_Section):
+    """Optimizer fields shared by actor and critic (flat, so paths stay three levels deep)."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup over this many optimizer steps.")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("constant")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward on one device.")
+    use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead.")
+    max_token_len_per_device: int = Field(4096, gt=0, description="Token budget per micro-batch (dynamic).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each step's batch.")
+
+    def optim(self):
+        """This section's optimizer fields as the shared `OptimConfig`."""
+        from infra.config import OptimConfig
+
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
+                           warmup_steps=self.warmup_steps, lr_scheduler=self.lr_scheduler,
+                           min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip)
+
+
+class ActorConfig(_Optim):
+    ppo_mini_batch_size: int = Field(16, gt=0, description="Prompts per optimizer step (global; x n samples).")
+    policy_loss: str = Field("vanilla", description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        Field("token-mean", description="How token losses become the batch loss.")
+    )
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28).")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
+    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    use_kl_loss: bool = Field(False, description="KL to the reference as a loss term (GRPO style).")
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: str = Field("low_var_kl", description="k1 | k2 | k3 | abs | mse | low_var_kl, '+' forms too.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+
+
+class CriticConfig(_Optim):
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the value model.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range.")
+    warmup_steps_before_actor: int = Field(0, ge=0, description="Critic-only steps before the actor trains.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="vllm (fast, colocated) or hf (transformers).")
+    n: int = Field(8, gt=0, description="Samples per prompt.")
+    temperature: float = Field(1.0, gt=0, description="Training sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1: off.")
+    val_n: int = Field(1, gt=0, description="Validation samples per prompt (>1 adds mean/best/maj@n).")
+    val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 = greedy.")
+    val_top_p: float = Field(1.0, gt=0, le=1)
+    enforce_eager: bool = Field(True, description="vllm: skip graph capture/compilation (faster start on CPU).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: share of device memory.")
+    logprob_check_tokens: int = Field(32, ge=0, description="Tokens checked after each weight sync (0: off).")
+    logprob_check_tol: float = Field(1e-2, gt=0, description="Max |engine - trainer| logprob before erroring.")
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: str = Field(
+        "grpo", description="gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
+        "remax | opo | gpg | grpo_passk."
+    )
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = Field(True, description="false: Dr.GRPO (no std normalisation).")
+    use_kl_in_reward: bool = Field(False, description="Subtract beta * KL(old || ref) from token rewards.")
+    kl_penalty: str = Field("kl", description="KL estimator for the in-reward penalty.")
+    kl_ctrl_type: Literal["fixed", "adaptive"] = Field("fixed")
+    kl_coef: float = Field(0.001, ge=0, description="beta (initial beta when adaptive).")
+    target_kl: float = Field(0.1, gt=0, description="Adaptive controller target.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive controller horizon.")
+    filter_groups: bool = Field(False, description="DAPO dynamic sampling: drop groups with zero spread.")
+    filter_groups_metric: Literal["score", "acc", "seq_reward"] = Field("acc")
+    max_num_gen_batches: int = Field(10, ge=0, description="Generation batches per step at most (0: no limit).")
+
+
+class RewardConfig(_Section):
+    custom_path: str | None = Field(None, description="Python file with a verl-style reward function.")
+    custom_function: str = Field("compute_score", description="Function name in custom_path.")
+    num_workers: int = Field(2, gt=0, description="Scorer processes.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-sample scorer timeout; a timeout scores 0.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO: penalise the last N tokens before max (0: off).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO: penalty at max length.")
+    reward_model_path: str | None = Field(None, description="AutoModelForSequenceClassification folder/hub id.")
+
+
+class RLConfig(_Section):
     enabled: bool = Field(False, description="Run the RL stage after SFT.")
+    total_steps: int = Field(20, gt=0, description="Training steps (one batch of prompts each).")
+    train_batch_size: int = Field(32, gt=0, description="Prompts per step.")
+    test_freq: int = Field(10, ge=0, description="Validate every N steps (0: only at the end).")
+    save_freq: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    max_ckpt_to_keep: int = Field(2, gt=0)
+    resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the latest checkpoint.")
+    val_before_train: bool = Field(True, description="Validate before the first step.")
+    max_validation_samples: int | None = Field(None, gt=0, description="Cap on validation prompts.")
+    balance_batch: bool = Field(True, description="Reorder samples so workers get similar token counts.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self) -> RLConfig:
+        if self.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"train_batch_size={self.train_batch_size} must be a multiple of "
+                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _names_exist(self) -> RLConfig:
+        from stages.core import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+
+        for field, value, registry in (
+            ("algorithm.adv_estimator", self.algorithm.adv_estimator, ADV_ESTIMATORS),
+            ("actor.policy_loss", self.actor.policy_loss, POLICY_LOSSES),
+            ("actor.kl_loss_type", self.actor.kl_loss_type, KL_ESTIMATORS),
+            ("algorithm.kl_penalty", self.algorithm.kl_penalty, KL_ESTIMATORS),
+        ):
+            if value not in registry:
+                raise ValueError(f"{field}={value!r} is unknown; valid: {', '.join(sorted(registry.keys()))}")
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward

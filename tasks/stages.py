@@ -61,6 +61,10 @@ def _sft_sections(cfg: Config) -> tuple:
     return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
 
 
+def _rl_sections(cfg: Config) -> tuple:
+    return cfg.rl, cfg.model, cfg.data, str(cfg.run.seed)
+
+
 def _eval_sections(cfg: Config) -> tuple:
     return cfg.evaluate, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.model.dtype
 
@@ -134,6 +138,29 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
         ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
                             metadata={"steps": result.num_steps, "metrics": result.final_metrics})
     get_run_logger().info("sft model: %s after %d steps", ref, result.num_steps)
+    return str(ref)
+
+
+@task(name="rl", cache_key_fn=stage_key("rl", _rl_sections, ("dataset", "init_model")), persist_result=True,
+      result_serializer="json", retries=1)
+def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
+    """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints."""
+    from infra.trajectories import RunTables
+    from stages.rl import run_rl
+
+    store = open_store(cfg)
+    key = stage_hash(cfg, _rl_sections, [dataset, init_model])
+    inputs = {"dataset": dataset, "init_model": init_model}
+    run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
+    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs)
+    data_dir = store.get_dir(ArtifactRef.parse(dataset))
+    with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "rl") as tracker:
+        result = run_rl(cfg, local_model_path(store, init_model), data_dir, Path(tmp), checkpoints,
+                        RunTables(store, run_id), tracker)
+        ref = store.put_dir("model", "rl", Path(tmp), inputs=inputs, config_hash=key,
+                            metadata={"steps": result.num_steps, "run_id": run_id,
+                                      "metrics": {k: v for k, v in result.final_metrics.items() if "/" in k}})
+    get_run_logger().info("rl model: %s after %d steps (trajectories: run_id=%s)", ref, result.num_steps, run_id)
     return str(ref)
 
 

@@ -1,7 +1,7 @@
 """Rule-based rewards by data_source, with verl's signature `(data_source, solution_str, ground_truth, extra_info)`.
 
 `default_compute_score` dispatches through `SCORERS`, a data_source -> scorer registry (a scorer takes
-`(solution_str, ground_truth)` and returns a float). A task of one's own plugs in a custom function by
+`(solution_str, ground_truth, extra_info)` and returns a float). A task of one's own plugs in a custom function by
 file path and name (`stages.rewards.custom.load_reward_fn`) instead of this default.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from stages.rewards import arithmetic, gsm8k, math
 
-Scorer = Callable[[str, str], float]
+Scorer = Callable[[str, str, dict | None], float]
 SCORERS: dict[str, Scorer] = {}
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
 
@@ -25,9 +25,9 @@ def register_scorer(data_sources: Iterable[str], scorer: Scorer) -> None:
         SCORERS[data_source] = scorer
 
 
-register_scorer(["openai/gsm8k"], gsm8k.compute_score)  # strict, as verl's default
+register_scorer(["openai/gsm8k"], lambda text, truth, _extra: gsm8k.compute_score(text, truth))  # strict
 register_scorer(["synthetic/arithmetic"], arithmetic.compute_score)
-register_scorer(MATH_SOURCES, math.compute_score)
+register_scorer(MATH_SOURCES, lambda text, truth, _extra: math.compute_score(text, truth))
 
 
 def default_compute_score(
@@ -41,4 +41,4 @@ def default_compute_score(
             "use a custom reward function: a Python file path and the name of a function "
             "(data_source, solution_str, ground_truth, extra_info) -> float (see stages/rewards/custom.py)"
         )
-    return float(scorer(solution_str, ground_truth))
+    return float(scorer(solution_str, ground_truth, extra_info))

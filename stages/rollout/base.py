@@ -24,6 +24,7 @@ class SamplingParams:
     top_k: int = -1  # -1: off
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # same seed, same prompts, same weights -> same samples (None: engine's own)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,8 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         outputs: list[RolloutOutput] = []
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
         for start in range(0, len(prompt_ids), self.batch_size):
             chunk = prompt_ids[start : start + self.batch_size]
             outputs.extend(self._generate_batch(chunk, params, start))

@@ -58,16 +58,29 @@ def test_gsm8k_format_score_and_score():
     "solution, truth, expected",
     [
         ("23 + 45 = 68\n68 - 7 = 61\n#### 61", "61", 1.0),
-        ("#### 061", "61", 1.0),  # integer match
-        ("#### -12", "-12", 1.0),
-        ("#### 62", "61", 0.0),
-        ("#### 61.5", "61", 0.0),
-        ("61", "61", 0.0),  # no '####'
-        ("#### 1,000", "1000", 1.0),
+        ("23 + 45 = 68\n68 - 7 = 61\n#### 061", "61", 1.0),  # integer match
+        ("3 - 15 = -12\n#### -12", "-12", 1.0),
+        ("23 + 45 = 68\n68 - 7 = 61\n#### 62", "61", 0.0),  # wrong answer
+        ("23 + 45 = 68\n68 - 7 = 61\n#### 61.5", "61", 0.0),
+        ("23 + 45 = 68\n68 - 7 = 61", "61", 0.0),  # no '####'
+        ("#### 61", "61", 0.0),  # no work shown
+        ("23 + 45 = 69\n69 - 8 = 61\n#### 61", "61", 0.0),  # right answer, wrong arithmetic (69)
+        ("23 + 45 = 68\n60 - 7 = 53\n#### 53", "53", 0.0),  # not chained: 60 is not the previous result 68
+        ("500 + 500 = 1000\n#### 1,000", "1000", 1.0),
     ],
 )
 def test_arithmetic(solution, truth, expected):
     assert arithmetic.compute_score(solution, truth) == expected
+
+
+def test_arithmetic_work_must_follow_the_question():
+    q = {"question": "What is 23 + 45 - 7?"}
+    assert arithmetic.compute_score("23 + 45 = 68\n68 - 7 = 61\n#### 61", "61", q) == 1.0
+    # correct arithmetic and answer, but 46 - 8 uses operands that are not in the question
+    assert arithmetic.compute_score("23 + 46 = 69\n69 - 8 = 61\n#### 61", "61", q) == 0.0
+    assert arithmetic.compute_score("23 + 45 = 68\n#### 68", "68", q) == 0.0  # a step is missing
+    q2 = {"question": "What is (50 - 20) * 16 - 28?"}
+    assert arithmetic.compute_score("50 - 20 = 30\n30 * 16 = 480\n480 - 28 = 452\n#### 452", "452", q2) == 1.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,7 +103,7 @@ def test_math_verify():
 def test_dispatch():
     assert default_compute_score("openai/gsm8k", "#### 7", "7") == 1.0
     assert default_compute_score("openai/gsm8k", "The answer is 7", "7") == 0.0  # strict by default
-    assert default_compute_score("synthetic/arithmetic", "#### 007", "7") == 1.0
+    assert default_compute_score("synthetic/arithmetic", "3 + 4 = 7\n#### 007", "7") == 1.0
     for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math"):
         assert default_compute_score(source, "\\boxed{0.5}", "\\frac{1}{2}", {"index": 0}) == 1.0
 
@@ -106,7 +119,7 @@ def test_unknown_data_source():
 def test_register_duplicate():
     with pytest.raises(ValueError, match="'openai/gsm8k' already has a scorer"):
         register_scorer(["openai/gsm8k"], arithmetic.compute_score)
-    assert SCORERS["openai/gsm8k"] is gsm8k.compute_score
+    assert SCORERS["openai/gsm8k"]("#### 4", "4", None) == 1.0  # unchanged
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,364 @@
+"""Score many samples with a verl-style reward function in worker processes, with a per-sample timeout.
+
+`RewardPool` owns `num_workers` processes started with the "forkserver" context (the parent may hold
+torch, vLLM or Ray state and threads, so forking it is unsafe; the fork server is a fresh interpreter,
+and forking a worker from it is cheap). Each worker loads the reward function itself: the default
+`stages.rewards.default_compute_score`, or the user's function by file path and name (a function loaded
+from a file cannot be pickled by reference). The parent loads it once too, so a wrong path or name is a
+ValueError at construction.
+
+Protocol, per worker, over one duplex Pipe:
+
+- worker -> parent: `("ready",)` once the function is loaded (or `("fatal", msg)` and exit);
+- parent -> worker: a chunk, a list of `(index, data_source, solution_str, ground_truth, extra_info)`,
+  or None to exit; only idle, ready workers get a chunk, so the worker is always reading when sent to;
+- worker -> parent: one `(index, score, components, error, dropped_keys)` tuple per sample, as each
+  finishes, so the parent sees progress sample by sample.
+
+Timeout: the parent waits at most `timeout_s` for a busy worker's next result (counted from the chunk's
+dispatch, the previous result, or the worker's "ready", whichever is latest). On expiry the sample in
+progress scores 0 ("timeout after Xs"), the worker is killed (SIGKILL, then joined) and replaced, and the
+rest of its chunk goes back to the queue for whichever worker is idle first. A worker that dies (a
+segfault, `os._exit`) is handled the same way, its sample counted as an error.
+
+A scorer that raises, returns a non-number, or a dict without "score" scores 0 and counts as an error;
+a NaN/inf score scores 0 and counts as "nan". Each such sample is logged; the run never stops for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import signal
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from infra.rl_config import RewardConfig
+from stages.rewards import default_compute_score
+from stages.rewards.custom import load_reward_fn
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK = 64  # samples per message: few messages for big batches, still balanced across workers
+STARTUP_TIMEOUT_S = 120.0  # a worker must import and load the reward function within this
+SNIPPET_CHARS = 80  # of solution_str, in warnings
+
+
+@dataclass
+class RewardRequest:
+    data_source: str
+    solution_str: str
+    ground_truth: str
+    extra_info: dict | None = None
+
+
+@dataclass
+class RewardResult:
+    scores: list[float]  # one per request; 0.0 for errors, timeouts and NaN
+    components: dict[str, list[float]]  # extra numeric keys of dict results; NaN where a sample lacked one
+    errors: list[str | None]  # None, "error: <ExcType: msg>", "timeout after Xs" or "nan"
+    metrics: dict[str, float] = field(default_factory=dict)  # reward/errors|timeouts|nan, reward/<c>/mean
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _load_fn(custom_path: str | None, custom_function: str):
+    return default_compute_score if custom_path is None else load_reward_fn(custom_path, custom_function)
+
+
+def _worker_main(conn: Connection, custom_path: str | None, custom_function: str) -> None:
+    """Load the reward function, say ready, then score chunks until None or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
+    try:
+        fn = _load_fn(custom_path, custom_function)
+    except Exception as exc:  # the user's file may raise anything on import: report it to the parent
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if chunk is None:
+            return
+        for item in chunk:
+            conn.send(_score_one(fn, item))
+
+
+def _score_one(fn, item: tuple) -> tuple:
+    """`(index, score, components, error, dropped_keys)` of one sample; never raises for the user's code."""
+    index, data_source, solution_str, ground_truth, extra_info = item
+    try:
+        raw = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                 extra_info=extra_info)
+    except Exception as exc:  # the user's scorer may raise anything; one bad sample must not stop the run
+        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", ()
+    return (index, *_normalise(raw))
+
+
+def _as_float(value: Any) -> float | None:
+    """`value` as a float if it is a number (bool, int, float, numpy or 0-dim torch scalar), else None."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # complex, multi-element arrays
+        return None
+
+
+def _normalise(raw: Any) -> tuple[float, dict[str, float], str | None, tuple[str, ...]]:
+    """A float or a dict with "score" -> (score, numeric components, error, non-numeric keys dropped)."""
+    extras: dict = {}
+    if isinstance(raw, dict):
+        if "score" not in raw:
+            return 0.0, {}, f"error: KeyError: reward dict has no 'score' key (keys: {sorted(map(str, raw))})", ()
+        extras = {str(k): v for k, v in raw.items() if k != "score"}
+        raw = raw["score"]
+    score = _as_float(raw)
+    if score is None:
+        msg = f"reward is {type(raw).__name__}; return a float or a dict with a float 'score'"
+        return 0.0, {}, f"error: TypeError: {msg}", ()
+    components = {k: v for k, v in ((k, _as_float(v)) for k, v in extras.items()) if v is not None}
+    dropped = tuple(k for k in extras if k not in components)
+    if not math.isfinite(score):
+        return 0.0, components, "nan", dropped
+    return score, components, None, dropped
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent side
+
+
+class _Worker:
+    """One worker process, its end of the pipe, and the chunk indices it has not reported yet."""
+
+    def __init__(self, ctx, custom_path: str | None, custom_function: str) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, custom_path, custom_function),
+                                   name="reward-worker", daemon=True)
+        self.process.start()
+        child_conn.close()  # so that the worker's death reads as EOF here
+        self.ready = False
+        self.pending: deque[int] = deque()
+        self.last_event = time.monotonic()  # start, ready, dispatch or last result
+
+    def stop(self, kill: bool) -> None:
+        """Ask the worker to exit (or SIGKILL it), join it, and release its pipe and process handle."""
+        if not kill:
+            try:
+                self.conn.send(None)
+            except OSError:  # already dead: the join below reaps it
+                pass
+            self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+        self.process.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop(kill=False)
+    workers.clear()
+
+
+class RewardPool:
+    """Score `RewardRequest`s in `cfg.num_workers` processes with a per-sample timeout of `cfg.timeout_s`."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self._custom_path = None
+        if cfg.custom_path is not None:
+            load_reward_fn(cfg.custom_path, cfg.custom_function)  # ValueError here, not in a worker
+            self._custom_path = str(Path(cfg.custom_path).expanduser().resolve())
+        self._ctx = multiprocessing.get_context("forkserver")
+        _preload_rewards(self._ctx)
+        self._warned_keys: set[str] = set()
+        # the batch in flight, shared by the event-loop methods below
+        self._requests: list[RewardRequest] = []
+        self._outcomes: list[tuple | None] = []
+        self._queue: deque[list[int]] = deque()  # chunks of request indices not yet dispatched
+        self._missing = 0
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)  # no zombies if never closed
+        try:
+            for _ in range(cfg.num_workers):
+                self._workers.append(self._new_worker())
+            while not all(w.ready for w in self._workers):
+                self._wait_and_pump()
+        except BaseException:  # not swallowed: stop the workers already started, then re-raise
+            self.close()
+            raise
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop and join every worker (killing any that do not exit within a second); idempotent."""
+        self._finalizer()
+
+    def score(self, requests: list[RewardRequest]) -> RewardResult:
+        """Score `requests` in order; bad samples score 0 and are counted in the metrics, never raised."""
+        if not self._finalizer.alive:
+            raise RuntimeError("RewardPool.score() after close(); create a new RewardPool")
+        self._discard_stale()
+        outcomes: list[tuple | None] = [None] * len(requests)
+        self._requests, self._outcomes, self._missing = requests, outcomes, len(requests)
+        size = max(1, min(MAX_CHUNK, math.ceil(len(requests) / (4 * len(self._workers)))))
+        self._queue = deque(list(range(i, min(i + size, len(requests)))) for i in range(0, len(requests), size))
+        try:
+            while self._missing:
+                self._dispatch()
+                self._wait_and_pump()
+        finally:
+            self._requests, self._outcomes, self._queue, self._missing = [], [], deque(), 0
+        return self._assemble(requests, outcomes)
+
+    # -- the event loop ---------------------------------------------------------------------------
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self._custom_path, self.cfg.custom_function)
+
+    def _discard_stale(self) -> None:
+        """Replace workers still busy with a batch that was interrupted (an exception or Ctrl-C in score()):
+        their results would otherwise land in the next batch."""
+        for i, worker in enumerate(self._workers):
+            if worker.pending:
+                logger.warning("replacing a reward worker still busy with an interrupted batch")
+                self._restart(i)
+
+    def _dispatch(self) -> None:
+        """Give the next queued chunk to each ready, idle worker."""
+        for i, worker in enumerate(self._workers):
+            if not self._queue:
+                return
+            if worker.ready and not worker.pending:
+                chunk = self._queue.popleft()
+                r = self._requests
+                items = [(j, r[j].data_source, r[j].solution_str, r[j].ground_truth, r[j].extra_info) for j in chunk]
+                worker.pending.extend(chunk)
+                worker.last_event = time.monotonic()
+                try:
+                    worker.conn.send(items)
+                except OSError:  # died while idle (killed from outside): the chunk goes back untouched
+                    self._queue.appendleft(chunk)
+                    self._restart(i)
+
+    def _wait_and_pump(self) -> None:
+        """Wait for the next message or deadline, handle every message that arrived, then enforce timeouts."""
+        now = time.monotonic()
+        deadlines = [self._deadline(w) for w in self._workers]
+        # something is always in flight while samples are missing, so there is always a deadline
+        assert any(deadlines), "reward pool: samples missing but no worker busy or starting"
+        timeout = max(0.0, min(d for d in deadlines if d is not None) - now)
+        handles = [h for w in self._workers for h in (w.conn, w.process.sentinel)]
+        readable = set(wait(handles, timeout))
+        for i, worker in enumerate(list(self._workers)):
+            if worker.conn in readable or worker.process.sentinel in readable:
+                self._pump(i, dead=worker.process.sentinel in readable)
+        now = time.monotonic()
+        for i, worker in enumerate(self._workers):
+            deadline = self._deadline(worker)
+            if deadline is not None and now >= deadline:
+                if not worker.ready:
+                    raise RuntimeError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                self._replace(i, f"timeout after {self.cfg.timeout_s:g}s")
+
+    def _deadline(self, worker: _Worker) -> float | None:
+        if not worker.ready:
+            return worker.last_event + STARTUP_TIMEOUT_S
+        return worker.last_event + self.cfg.timeout_s if worker.pending else None
+
+    def _pump(self, i: int, dead: bool) -> None:
+        """Handle every message waiting from worker i; replace it if it has died."""
+        worker = self._workers[i]
+        try:
+            while worker.conn.poll():
+                self._handle(worker, worker.conn.recv())
+        except (EOFError, OSError):
+            dead = True
+        if dead:
+            worker.process.join(timeout=1.0)  # reap it, for the exit code
+            if not worker.ready:
+                raise RuntimeError(
+                    f"a reward worker exited while starting (exit code {worker.process.exitcode}); see its "
+                    "traceback above. A script that creates a RewardPool must do so under "
+                    "`if __name__ == '__main__':` (workers re-import the main module)"
+                )
+            self._replace(i, f"error: worker process died (exit code {worker.process.exitcode})")
+
+    def _handle(self, worker: _Worker, message: tuple) -> None:
+        worker.last_event = time.monotonic()
+        if message[0] == "ready":
+            worker.ready = True
+        elif message[0] == "fatal":
+            raise RuntimeError(f"a reward worker could not load the reward function: {message[1]}")
+        else:
+            index = worker.pending.popleft()
+            assert message[0] == index, f"worker reported sample {message[0]}, expected {index}"
+            self._outcomes[index] = message[1:]
+            self._missing -= 1
+
+    def _replace(self, i: int, error: str) -> None:
+        """Kill worker i; its sample in progress gets `error`, the rest of its chunk is requeued."""
+        worker = self._workers[i]
+        if worker.pending:
+            index = worker.pending.popleft()
+            self._outcomes[index] = (0.0, {}, error, ())
+            self._missing -= 1
+            if worker.pending:
+                self._queue.appendleft(list(worker.pending))
+        self._restart(i)
+
+    def _restart(self, i: int) -> None:
+        """Kill and reap worker i and start a fresh one in its place (the fork server makes this quick)."""
+        self._workers[i].stop(kill=True)
+        self._workers[i] = self._new_worker()
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def _assemble(self, requests: list[RewardRequest], outcomes: list[tuple]) -> RewardResult:
+        """Scores, components, errors and metrics from the per-sample outcomes; warns about each bad sample."""
+        scores = [o[0] for o in outcomes]
+        errors = [o[2] for o in outcomes]
+        names = list(dict.fromkeys(k for o in outcomes for k in o[1]))
+        components = {k: [o[1].get(k, math.nan) for o in outcomes] for k in names}
+        for request, error in zip(requests, errors):
+            if error is not None:
+                snippet = request.solution_str[:SNIPPET_CHARS]
+                snippet += "..." if len(request.solution_str) > SNIPPET_CHARS else ""
+                logger.warning("reward of a %r sample is 0: %s; solution: %r", request.data_source, error, snippet)
+        self._warn_dropped(k for o in outcomes for k in o[3])
+        metrics = {
+            "reward/errors": float(sum(e is not None and e.startswith("error") for e in errors)),
+            "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+            "reward/nan": float(sum(e == "nan" for e in errors)),
+        }
+        for name, values in components.items():
+            present = [v for v in values if not math.isnan(v)]
+            metrics[f"reward/{name}/mean"] = sum(present) / len(present) if present else math.nan
+        return RewardResult(scores=scores, components=components, errors=errors, metrics=metrics)
+
+    def _warn_dropped(self, keys) -> None:
+        for key in set(keys) - self._warned_keys:
+            self._warned_keys.add(key)
+            logger.warning("reward dict key %r is not a number; it is not logged as a component", key)
+
+
+def _preload_rewards(ctx) -> None:
+    """Have the fork server import the rule scorers (math-verify imports sympy, ~1 s) once, so that
+    starting or replacing a worker is a fork. Only effective before the fork server first starts."""
+    ctx.set_forkserver_preload(["__main__", "stages.rewards.pool", "stages.rewards"])

@@ -1,0 +1,338 @@
+"""The RL stage: verl's single-controller loop (HybridFlow) on Ray workers, runnable without Prefect.
+
+One step: sample prompts -> generate n samples each (vLLM or hf, colocated with the trainer) -> score
+(process pool with timeouts; DAPO dynamic sampling keeps generating until enough groups have varied
+rewards) -> old/ref logprobs and values -> advantages on the driver (stages/core registries) -> critic
+and actor updates -> weight sync into the engine, checked against the trainer -> metrics and
+trajectories to the store -> validation every `test_freq`, checkpoint every `save_freq`.
+
+The driver holds no model. Resume: the latest checkpoint restores actor/critic/optimizer/scheduler
+state, the KL controller and RNG; prompts are a function of the step number, and trajectory partitions
+written after that checkpoint are removed, so the resumed run continues exactly, without duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infra.config import Config
+from infra.trajectories import RunTables
+from infra.tracking import Tracker, progress_bar
+from stages.batch import Batch, token_level_scores
+from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
+from stages.data_prep import load_prompts
+from stages.model.loading import load_tokenizer
+from stages.rewards.overlong import overlong_penalty
+from stages.rewards.pool import RewardPool, RewardRequest
+from stages.rl_data import PromptSampler, concat_batches, data_metrics, rollout_batch, trajectory_rows
+from stages.rollout.base import SamplingParams
+from stages.sft import Checkpoints
+from stages.validation import group_metrics
+from stages.workers.actor_rollout import ActorRolloutWorker
+from stages.workers.critic import CriticWorker
+from stages.workers.group import WorkerGroup, init_ray
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RLResult:
+    model_dir: Path
+    num_steps: int
+    final_metrics: dict[str, float]
+
+
+def run_rl(cfg: Config, model_dir: str, data_dir: Path, out_dir: Path, checkpoints: Checkpoints,
+           tables: RunTables, tracker: Tracker) -> RLResult:
+    """Train with RL from `model_dir` on `data_dir`/{train,validation}.parquet; final HF folder to out_dir."""
+    started_ray = init_ray(cfg.ray)
+    trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
+    try:
+        metrics = trainer.fit()
+        trainer.save_model(out_dir)
+        return RLResult(out_dir, trainer.step, metrics)
+    finally:
+        trainer.close()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+class StepTimer:
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.metrics[f"timing_s/{name}"] = self.metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, model_dir: str, data_dir: Path, checkpoints: Checkpoints, tables: RunTables,
+                 tracker: Tracker):
+        self.cfg, self.rl, self.model_dir = cfg, cfg.rl, model_dir
+        self.checkpoints, self.tables, self.tracker = checkpoints, tables, tracker
+        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data)
+        self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data)
+        self.sampler = PromptSampler(len(self.train), self.rl.train_batch_size, cfg.run.seed)
+        self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir)
+        self.critic = WorkerGroup(CriticWorker, cfg, model_dir) if self.rl.uses_critic else None
+        self.rewards = RewardPool(self.rl.reward)
+        alg = self.rl.algorithm
+        self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
+        self.step = 0
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        self.resume()
+        metrics: dict[str, float] = {}
+        if self.step == 0 and self.rl.val_before_train:
+            metrics = self.validate(0)
+            self.log(metrics, 0)
+        bar = progress_bar(self.rl.total_steps, self.step, "rl")
+        while self.step < self.rl.total_steps:
+            self.step += 1
+            metrics = self.train_step(self.step)
+            if self._due(self.rl.test_freq):
+                metrics.update(self.validate(self.step))
+            self.log(metrics, self.step)
+            if self._due(self.rl.save_freq):
+                self.save_checkpoint(self.step)
+            bar.update()
+            bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}")
+        bar.close()
+        return metrics
+
+    def _due(self, freq: int) -> bool:
+        return self.step == self.rl.total_steps or (freq > 0 and self.step % freq == 0)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        timer = StepTimer()
+        with timer("step"):
+            with timer("gen"):
+                batch, metrics = self.generate_and_score(step, timer)
+            with timer("old_log_prob"):
+                batch.tensors["old_logprobs"], batch.tensors["entropy"] = self.actor.call_one(
+                    "compute_logprobs", batch, "actor", True)
+            if self.rl.uses_reference:
+                with timer("ref"):
+                    batch.tensors["ref_logprobs"], _ = self.actor.call_one("compute_logprobs", batch, "ref")
+            if self.critic:
+                with timer("values"):
+                    batch.tensors["values"] = self.critic.call_one("compute_values", batch)
+            with timer("adv"):
+                metrics.update(self.compute_advantages(batch))
+            if self.critic:
+                with timer("update_critic"):
+                    metrics.update(self.critic.call_one("update", batch))
+            if step > self.rl.critic.warmup_steps_before_actor:
+                with timer("update_actor"):
+                    metrics.update(self.actor.call_one("update_actor", batch))
+            with timer("sync"):
+                metrics.update(self.actor.call_one("sync_weights", self._check_prompts()))
+        metrics.update(self.step_metrics(batch, timer))
+        self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
+        return metrics
+
+    # ---- generation and reward ---------------------------------------------------------------------
+
+    def generate_and_score(self, step: int, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
+        """A scored batch of train_batch_size groups (more generations when filtering groups)."""
+        alg = self.rl.algorithm
+        kept, num_groups, gen = [], 0, 0
+        while num_groups < self.rl.train_batch_size:
+            if alg.filter_groups and alg.max_num_gen_batches and gen >= alg.max_num_gen_batches:
+                raise RuntimeError(
+                    f"dynamic sampling found {num_groups}/{self.rl.train_batch_size} groups with varied rewards "
+                    f"after {gen} generation batches; raise rl.algorithm.max_num_gen_batches or check the reward")
+            batch = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen, timer)
+            gen += 1
+            if alg.filter_groups:
+                batch = self._varied_groups(batch)
+            kept.append(batch)
+            num_groups += len(set(batch.meta["group_id"]))
+        batch = kept[0] if len(kept) == 1 else concat_batches(kept, self.tokenizer.pad_token_id)
+        groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
+        batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
+        return batch, {"train/num_gen_batches": gen, **self.reward_metrics}
+
+    def generate(self, indices: list[int], group_prefix: str, seed: int, timer: StepTimer) -> Batch:
+        ro = self.rl.rollout
+        params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                                max_tokens=self.cfg.data.max_response_length,
+                                stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
+        outputs = self.actor.call_one("generate", [self.train.prompt_ids[i] for i in indices], params)
+        texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
+        batch = rollout_batch(self.train, indices, outputs, texts, group_prefix, self.tokenizer.pad_token_id)
+        with timer("reward"):
+            self.score(batch)
+            if self.rl.algorithm.adv_estimator == "remax":
+                batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
+        return batch
+
+    def score(self, batch: Batch) -> None:
+        reward = self.rl.reward
+        result = self.rewards.score([
+            RewardRequest(ds, text, gt, extra) for ds, text, gt, extra in zip(
+                batch.meta["data_source"], batch.meta["response"], batch.meta["ground_truth"],
+                batch.meta["extra_info"])
+        ])
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        lengths = batch.response_mask.sum(-1).tolist()
+        penalty = torch.tensor(overlong_penalty(lengths, self.cfg.data.max_response_length, reward.overlong_buffer,
+                                                reward.overlong_penalty_factor), dtype=torch.float32)
+        batch.tensors["scores"], batch.tensors["rewards"] = scores, scores + penalty
+        for name, values in result.components.items():
+            batch.meta[f"reward_{name}"] = values
+        self.reward_metrics = {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+
+    def _greedy_baselines(self, batch: Batch, indices: list[int]) -> torch.Tensor:
+        """ReMax: each sample's baseline is the score of its prompt's greedy response."""
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
+                                stop_token_ids=(self.tokenizer.eos_token_id,))
+        outputs = self.actor.call_one("generate", [self.train.prompt_ids[i] for i in indices], params)
+        requests = [RewardRequest(self.train.data_sources[indices[o.prompt_index]],
+                                  self.tokenizer.decode(o.response_ids, skip_special_tokens=True),
+                                  self.train.ground_truths[indices[o.prompt_index]],
+                                  self.train.extra_infos[indices[o.prompt_index]]) for o in outputs]
+        greedy = self.rewards.score(requests).scores
+        by_row = {indices[o.prompt_index]: s for o, s in zip(outputs, greedy)}
+        return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
+
+    def _varied_groups(self, batch: Batch) -> Batch:
+        """DAPO dynamic sampling: keep groups whose filter metric is not the same for every sample."""
+        metric = self.rl.algorithm.filter_groups_metric
+        values = {"score": batch.tensors["scores"].tolist(), "seq_reward": batch.tensors["rewards"].tolist()}.get(
+            metric, batch.meta.get("reward_acc", batch.tensors["scores"].tolist()))
+        by_group: dict[str, set] = {}
+        for g, v in zip(batch.meta["group_id"], values):
+            by_group.setdefault(g, set()).add(round(float(v), 6))
+        return batch.select([i for i, g in enumerate(batch.meta["group_id"]) if len(by_group[g]) > 1])
+
+    # ---- advantages ----------------------------------------------------------------------------------
+
+    def compute_advantages(self, batch: Batch) -> dict[str, float]:
+        t, alg, mask = batch.tensors, self.rl.algorithm, batch.response_mask
+        t["token_level_scores"] = token_level_scores(t["rewards"], mask)
+        metrics: dict[str, float] = {}
+        if "ref_logprobs" in t:
+            t["kl"] = (t["old_logprobs"] - t["ref_logprobs"]) * mask
+        if alg.use_kl_in_reward:
+            t["token_level_rewards"], kl_metrics = apply_kl_penalty(
+                t["token_level_scores"], t["old_logprobs"], t["ref_logprobs"], mask, self.kl_ctrl.value,
+                alg.kl_penalty)
+            metrics = {k: float(v) for k, v in kl_metrics.items()}
+            self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+        else:
+            t["token_level_rewards"] = t["token_level_scores"]
+        inputs = AdvantageInputs(token_level_rewards=t["token_level_rewards"], response_mask=mask,
+                                 index=batch.meta["group_id"], values=t.get("values"),
+                                 reward_baselines=t.get("reward_baselines"))
+        t["advantages"], t["returns"] = compute_advantages(
+            alg.adv_estimator, inputs, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        return metrics
+
+    # ---- metrics, validation -----------------------------------------------------------------------
+
+    def step_metrics(self, batch: Batch, timer: StepTimer) -> dict[str, float]:
+        metrics = {**data_metrics(batch, self.cfg.data.max_response_length), **timer.metrics}
+        mask = batch.response_mask
+        diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]).abs() * mask
+        metrics["training/rollout_probs_diff_max"] = float(diff.max())
+        tokens = float(batch.tensors["attention_mask"].sum())
+        metrics["perf/total_num_tokens"] = tokens
+        metrics["perf/throughput"] = tokens / max(timer.metrics["timing_s/step"], 1e-9)
+        return metrics
+
+    def validate(self, step: int) -> dict[str, float]:
+        ro = self.rl.rollout
+        num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
+        params = SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p,
+                                max_tokens=self.cfg.data.max_response_length,
+                                stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
+        start = time.perf_counter()
+        outputs = self.actor.call_one("generate", self.val.prompt_ids[:num], params)
+        texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
+        i_of = [o.prompt_index for o in outputs]
+        result = self.rewards.score([RewardRequest(self.val.data_sources[i], text, self.val.ground_truths[i],
+                                                   self.val.extra_infos[i]) for i, text in zip(i_of, texts)])
+        samples = [{"prompt_index": i, "data_source": self.val.data_sources[i], "score": s, "response": text,
+                    "ground_truth": str(self.val.ground_truths[i]), "num_response_tokens": len(o.response_ids),
+                    "finish_reason": o.finish_reason}
+                   for i, text, s, o in zip(i_of, texts, result.scores, outputs)]
+        self.tables.write_validation(step, samples)
+        metrics = group_metrics(samples, ro.val_n, "val")
+        metrics["timing_s/testing"] = time.perf_counter() - start
+        return metrics
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.tables.write_metrics(step, metrics)
+        self.tracker.log(metrics, step)
+
+    def _check_prompts(self) -> list[list[int]]:
+        return self.val.prompt_ids[:2]
+
+    def _prompt_texts(self, batch: Batch) -> list[str]:
+        return [self.train.prompts[r][-1]["content"] for r in batch.meta["prompt_row"]]
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            self.actor.call("save_checkpoint", tmp)
+            if self.critic:
+                self.critic.call("save_checkpoint", tmp)
+            state = {"step": step, "kl_ctrl": self.kl_ctrl.state_dict(), "python_rng": random.getstate(),
+                     "torch_rng": torch.get_rng_state()}
+            torch.save(state, Path(tmp) / "trainer.pt")
+            (Path(tmp) / "meta.json").write_text(json.dumps({"step": step}))
+            self.checkpoints.save(step, Path(tmp))
+
+    def resume(self) -> None:
+        path = self.checkpoints.latest() if self.rl.resume_mode == "auto" else None
+        if path is None:
+            self.tables.truncate_after(0)
+            return
+        self.actor.call("load_checkpoint", str(path))
+        if self.critic:
+            self.critic.call("load_checkpoint", str(path))
+        state = torch.load(path / "trainer.pt", weights_only=False)
+        self.step = int(state["step"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        removed = self.tables.truncate_after(self.step)
+        self.actor.call("sync_weights", self._check_prompts())
+        logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
+
+    def save_model(self, out_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from stages.model.loading import save_hf_folder
+
+        from stages.model.loading import DTYPES
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.cfg.model.dtype])
+        model.load_state_dict(self.actor.call_one("hf_state"))
+        save_hf_folder(model, self.tokenizer, out_dir)
+
+    def close(self) -> None:
+        self.rewards.close()
+        for group in (self.actor, self.critic):
+            if group:
+                group.kill()

@@ -1,0 +1,142 @@
+"""Data plumbing of the RL loop: which prompts a step sees, turning rollouts into a Batch, and the
+per-sample rows and per-step metrics that go to the trajectory tables and trackers.
+
+The prompt order is a permutation seeded by (seed, epoch), and a step's prompts are a pure function of
+the step number, so a resumed run draws exactly the batches an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+from stages.batch import Batch, build_batch
+from stages.core import masked_mean
+from stages.data_prep import PromptSet
+from stages.rollout.base import RolloutOutput
+
+
+class PromptSampler:
+    def __init__(self, num_prompts: int, batch_size: int, seed: int):
+        if batch_size > num_prompts:
+            raise ValueError(f"rl.train_batch_size={batch_size} > {num_prompts} training prompts")
+        self.num_prompts, self.batch_size, self.seed = num_prompts, batch_size, seed
+        self.steps_per_epoch = num_prompts // batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_prompts, generator=generator).tolist()
+
+    def indices(self, step: int, extra: int = 0) -> list[int]:
+        """Prompts of (1-based) `step`; `extra` > 0: another draw for dynamic sampling (DAPO)."""
+        if extra:
+            key = hashlib.sha256(f"{self.seed}/{step}/{extra}".encode()).hexdigest()
+            generator = torch.Generator().manual_seed(int(key[:15], 16))
+            return torch.randperm(self.num_prompts, generator=generator)[: self.batch_size].tolist()
+        epoch, offset = divmod(step - 1, self.steps_per_epoch)
+        return self._order(epoch)[offset * self.batch_size : (offset + 1) * self.batch_size]
+
+
+def rollout_batch(prompts: PromptSet, indices: list[int], outputs: list[RolloutOutput], texts: list[str],
+                  group_prefix: str, pad_token_id: int) -> Batch:
+    """A Batch of every sample; `outputs[i].prompt_index` indexes into `indices`."""
+    rows = [indices[o.prompt_index] for o in outputs]
+    meta = {
+        "group_id": [f"{group_prefix}-{o.prompt_index}" for o in outputs],
+        "sample_index": _sample_indices(outputs),
+        "prompt_row": rows,
+        "data_source": [prompts.data_sources[r] for r in rows],
+        "ground_truth": [prompts.ground_truths[r] for r in rows],
+        "extra_info": [prompts.extra_infos[r] for r in rows],
+        "response": texts,
+        "finish_reason": [o.finish_reason for o in outputs],
+    }
+    return build_batch([prompts.prompt_ids[r] for r in rows], [o.response_ids for o in outputs],
+                       [o.logprobs for o in outputs], pad_token_id, meta)
+
+
+def _sample_indices(outputs: list[RolloutOutput]) -> list[int]:
+    seen: dict[int, int] = {}
+    out = []
+    for o in outputs:
+        out.append(seen.get(o.prompt_index, 0))
+        seen[o.prompt_index] = out[-1] + 1
+    return out
+
+
+def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
+    """Re-pad samples of several Batches into one (used when dynamic sampling needs more generations)."""
+    prompts, responses, logprobs, meta = [], [], [], {}
+    for b in batches:
+        t = b.tensors
+        for i in range(len(b)):
+            prompt = t["input_ids"][i, : -b.num_response_tokens][t["attention_mask"][i, : -b.num_response_tokens] > 0]
+            n = int(b.response_mask[i].sum())
+            prompts.append(prompt.tolist())
+            responses.append(t["input_ids"][i, -b.num_response_tokens :][:n].tolist())
+            logprobs.append(t["rollout_logprobs"][i, :n].tolist())
+        for k, v in b.meta.items():
+            meta.setdefault(k, []).extend(v)
+    batch = build_batch(prompts, responses, logprobs, pad_token_id, meta)
+    for key in ("scores", "rewards"):
+        if all(key in b.tensors for b in batches):
+            batch.tensors[key] = torch.cat([b.tensors[key] for b in batches])
+    return batch
+
+
+def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) -> list[dict]:
+    """One row per sample for the `rollouts` table."""
+    t, mask = batch.tensors, batch.response_mask
+    now = time.time()
+
+    def per_seq(name: str) -> list[float | None]:
+        if name not in t:
+            return [None] * len(batch)
+        return masked_mean(t[name].float(), mask, dim=-1).tolist()
+
+    columns = {k: per_seq(k) for k in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                                       "entropy", "kl")}
+    rows = []
+    for i in range(len(batch)):
+        row = {
+            "group_id": batch.meta["group_id"][i], "sample_index": batch.meta["sample_index"][i],
+            "data_source": batch.meta["data_source"][i], "prompt": prompt_texts[i],
+            "response": batch.meta["response"][i], "ground_truth": str(batch.meta["ground_truth"][i]),
+            "num_prompt_tokens": int(t["attention_mask"][i].sum() - mask[i].sum()),
+            "num_response_tokens": int(mask[i].sum()), "score": float(t["scores"][i]),
+            "reward": float(t["rewards"][i]), "advantage": columns["advantages"][i],
+            "old_logprob_mean": columns["old_logprobs"][i], "ref_logprob_mean": columns["ref_logprobs"][i],
+            "rollout_logprob_mean": columns["rollout_logprobs"][i], "entropy_mean": columns["entropy"][i],
+            "kl_mean": columns["kl"][i], "finish_reason": batch.meta["finish_reason"][i],
+            "policy_version": policy_version, "time": now,
+        }
+        row.update({k: batch.meta[k][i] for k in batch.meta if k.startswith("reward_")})
+        rows.append(row)
+    return rows
+
+
+def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """verl's data metrics: scores, rewards, advantages, returns, values, lengths."""
+    t, mask = batch.tensors, batch.response_mask
+    lengths = mask.sum(-1).float()
+    prompt_lengths = t["attention_mask"].sum(-1).float() - lengths
+    metrics = {}
+    for name, values in (("critic/score", t["scores"]), ("critic/rewards", t["token_level_rewards"].sum(-1))):
+        metrics.update(_stats(name, values.float()))
+    for name, key in (("critic/advantages", "advantages"), ("critic/returns", "returns"), ("critic/values", "values")):
+        if key in t:
+            valid = t[key][mask]
+            metrics.update(_stats(name, valid.float()))
+    metrics.update(_stats("response_length", lengths))
+    metrics["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
+    metrics.update(_stats("prompt_length", prompt_lengths))
+    return metrics
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    return {f"{name}/mean": float(values.mean()), f"{name}/max": float(values.max()),
+            f"{name}/min": float(values.min())}

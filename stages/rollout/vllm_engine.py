@@ -1,0 +1,199 @@
+"""Rollout with vLLM's offline `LLM`, run in-process (no engine subprocess), with in-place weight sync.
+
+The engine lives in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a trainer there can
+hand it new weights without a restart: `update_weights` serialises an HF-named state dict to safetensors
+bytes and the worker extension in `vllm_ext.py` reloads it through vLLM's own `load_weights`. vLLM is
+imported lazily, so this module imports on machines without it.
+
+Stopping matches `HFRolloutEngine`: a sample ends at the first of `params.stop_token_ids` (default: the
+model's EOS ids from generation_config.json and the tokenizer), which is kept as the last response id
+with its logprob; vLLM's own EOS handling is switched off (`ignore_eos`) so that explicit stop ids
+replace the EOS rather than add to it.
+
+Logprobs come from `logprobs_mode="processed_logprobs"`: log_softmax of the logits after temperature
+and after top-k/top-p masking, taken at the sampled token. With top_k=-1 and top_p=1 (the RL default)
+that is exactly the convention of `base.py`, log softmax(logits / T); greedy requests skip temperature,
+so they get log softmax(logits) (T=1), also as the convention says. Deviation: with top_k > 0 or
+top_p < 1 the value is renormalised over the kept tokens, i.e. it exceeds the convention's by
+-log(kept probability mass) >= 0 at that position; no vLLM mode returns the unfiltered value at T != 1.
+On CUDA this mode makes vLLM use its PyTorch sampler instead of FlashInfer's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+from stages.rollout.base import RolloutOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_CLS = "stages.rollout.vllm_ext.WeightSyncExtension"
+LOGPROBS_MODE = "processed_logprobs"
+
+
+CPU_BATCHED_TOKENS = 1 << 17
+
+
+class VLLMRolloutEngine:
+    """An in-process vLLM engine behind the `RolloutEngine` interface."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 1024,
+                 enforce_eager: bool = True, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight sync and a shared gloo group
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to size it from NUMA
+        import vllm
+
+        self._vllm = vllm
+        self.model_dir = Path(model_dir)
+        self.seed = seed
+        self.enable_sleep_mode = enable_sleep_mode
+        self._num_generate_calls = 0
+        # CPU: a seeded request whose prefill is split across scheduler steps fails ("CPU Generator does
+        # not use offset"), so give the scheduler a budget large enough that prefills are never chunked.
+        budget = {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_BATCHED_TOKENS}
+        self.llm = vllm.LLM(
+            model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION_CLS,
+            **budget,
+        )
+        self.stop_token_ids = default_stop_token_ids(self.model_dir, self.llm.get_tokenizer().eos_token_id)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._checkpoint_names = checkpoint_names(self.model_dir)
+        logger.info("vLLM engine ready: %s dtype=%s stop_token_ids=%s tied=%s", self.model_dir, dtype,
+                    self.stop_token_ids, self._tied)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        """Sample `params.n` responses per prompt; outputs are prompt-major (prompt i's samples consecutive)."""
+        if not prompt_ids:
+            return []
+        stop_ids = set(params.stop_token_ids or self.stop_token_ids)
+        seeds = self._request_seeds(len(prompt_ids), params.seed)
+        requests = self.llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
+            [self._vllm_params(params, sorted(stop_ids), seed) for seed in seeds],
+            use_tqdm=False,
+        )
+        outputs = []
+        for prompt_index, request in enumerate(requests):
+            for sample in sorted(request.outputs, key=lambda s: s.index):
+                outputs.append(_to_rollout_output(sample, prompt_index, stop_ids))
+        return outputs
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) HF-named weights into the engine and drop the now stale prefix cache.
+
+        Every tensor of the model's checkpoint must be present (a partial reload would leave layers
+        half-processed); for tied embeddings `lm_head.weight` is added as a copy of the embedding,
+        without which vLLM's reloaded output head is wrong.
+        """
+        allowed = self._checkpoint_names | ({"lm_head.weight"} if self._tied else set())
+        missing, unexpected = sorted(self._checkpoint_names - state.keys()), sorted(state.keys() - allowed)
+        if missing or unexpected:
+            raise ValueError(f"update_weights: state does not match the checkpoint in {self.model_dir}: "
+                             f"missing={missing[:5]} unexpected={unexpected[:5]}; pass the full HF-named "
+                             "state dict (merge LoRA adapters first)")
+        blob = to_safetensors_bytes(state, tie_lm_head=self._tied)
+        self.llm.collective_rpc("load_safetensors_weights", args=(blob,))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Offload weights and free the KV cache (CUDA with `enable_sleep_mode`); otherwise nothing."""
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.enable_sleep_mode:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine and tear down the torch.distributed world vLLM created in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        cleanup_dist_env_and_memory()
+
+    def _request_seeds(self, num_prompts: int, seed: int | None) -> list[int]:
+        """One seed per prompt, from `seed` when given, else from (engine seed, number of such calls so far):
+        calls differ, and a fresh engine with the same seed repeats them.
+
+        vLLM gives sample j of a prompt the seed `seed + j`, so seeds are drawn far apart (< 2**31).
+        """
+        if seed is None:
+            seed = [self.seed, self._num_generate_calls]
+            self._num_generate_calls += 1
+        return np.random.default_rng(seed).integers(0, 2**31 - 2**16, size=num_prompts).tolist()
+
+    def _vllm_params(self, params: SamplingParams, stop_ids: list[int], seed: int):
+        return self._vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,  # vLLM: 0 disables
+            max_tokens=params.max_tokens,
+            stop_token_ids=stop_ids,
+            ignore_eos=True,  # stop_ids already hold the EOS unless the caller replaced it
+            logprobs=0,  # the sampled token's logprob only
+            seed=seed,
+            detokenize=False,
+        )
+
+
+def _to_rollout_output(sample, prompt_index: int, stop_ids: set[int]) -> RolloutOutput:
+    ids = list(sample.token_ids)
+    logprobs = [position[token].logprob for position, token in zip(sample.logprobs, ids, strict=True)]
+    if sample.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r} (expected stop or length)")
+    assert sample.finish_reason == "length" or ids[-1] in stop_ids, "vLLM must keep the stop token"
+    return RolloutOutput(prompt_index, ids, logprobs, sample.finish_reason)
+
+
+def default_stop_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """The EOS ids vLLM stops at by default: generation_config.json's `eos_token_id` (int or list) and the
+    tokenizer's EOS."""
+    ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
+    path = Path(model_dir) / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    if not ids:
+        raise ValueError(f"no EOS token id in {model_dir} (generation_config.json or tokenizer); "
+                         "pass SamplingParams.stop_token_ids")
+    return tuple(sorted(ids))
+
+
+def checkpoint_names(model_dir: str | Path) -> set[str]:
+    """The tensor names in the model folder's safetensors files (HF names, without tied duplicates)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}: VLLMRolloutEngine needs a safetensors checkpoint")
+    names: set[str] = set()
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def to_safetensors_bytes(state: dict[str, torch.Tensor], tie_lm_head: bool) -> bytes:
+    """Serialise CPU copies of `state`; tensors sharing storage (tied weights) are cloned, as safetensors
+    refuses shared memory, and `lm_head.weight` is added from the embedding when `tie_lm_head`."""
+    tensors, seen = {}, set()
+    for name, tensor in state.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    if tie_lm_head and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    return safetensors.torch.save(tensors)

@@ -1,0 +1,50 @@
+"""Validation metrics over n samples per prompt, per data_source: mean@n, best@n and maj@n.
+
+mean@n is the average score of all samples; best@n the share of prompts with at least one correct
+sample (pass@n); maj@n the score of the most common final answer (ties: the answer seen first), as
+verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from stages.rewards.gsm8k import extract_solution
+
+
+def final_answer(text: str) -> str:
+    """The answer a response commits to: after '####' when present, else its last line."""
+    answer = extract_solution(text, method="strict")
+    if answer is not None:
+        return answer
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str, float]:
+    """`samples`: dicts with prompt_index, data_source, score, response. -> metric name -> value."""
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
+    for s in samples:
+        by_prompt[s["prompt_index"]].append(s)
+    per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for group in by_prompt.values():
+        scores = [float(s["score"]) for s in group]
+        stats = per_source[group[0]["data_source"]]
+        stats[f"mean@{n}"].append(sum(scores) / len(scores))
+        stats[f"best@{n}"].append(max(scores))
+        stats[f"maj@{n}"].append(_majority_score(group))
+    metrics: dict[str, float] = {}
+    totals: dict[str, list[float]] = defaultdict(list)
+    for source, stats in sorted(per_source.items()):
+        for name, values in stats.items():
+            metrics[f"{prefix}/{source}/acc/{name}"] = sum(values) / len(values)
+            totals[name].extend(values)
+    for name, values in totals.items():
+        metrics[f"{prefix}/acc/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+def _majority_score(group: list[dict]) -> float:
+    answers = [final_answer(s["response"]) for s in group]
+    winner, _ = Counter(answers).most_common(1)[0]
+    return float(group[answers.index(winner)]["score"])

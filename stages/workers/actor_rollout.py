@@ -1,0 +1,180 @@
+"""The colocated worker: actor (trainer + optimizer), reference and rollout engine in one process.
+
+HybridFlow's colocated placement: the three roles share one device and switch phases (generate, then
+compute logprobs, then train, then push the new weights into the engine in-process). The actor is
+FSDP2-sharded even on one device. The reference is the base model with LoRA disabled when LoRA is on,
+otherwise a frozen sharded copy; it is only built when a KL term needs it.
+
+The worker is a plain class (testable without Ray); stages/workers/group.py runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from infra.config import Config
+from stages.batch import Batch
+from stages.model.fsdp import (
+    ensure_process_group,
+    full_state_dict,
+    hf_weights,
+    load_full_state_dict,
+    load_optimizer_state,
+    optimizer_state,
+    shard,
+)
+from stages.model.loading import DTYPES, load_model, load_tokenizer
+from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.policy import TokenLogprobs
+from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.workers.actor_update import micro_batches, update_policy
+
+logger = logging.getLogger(__name__)
+
+
+class StaleEngineError(RuntimeError):
+    """The rollout engine's logprobs disagree with the trainer's after a weight sync."""
+
+
+def make_engine(cfg: Config, model_dir: str):
+    rollout = cfg.rl.rollout
+    if rollout.engine == "vllm":
+        from stages.rollout.vllm_engine import VLLMRolloutEngine
+
+        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
+                                 enforce_eager=rollout.enforce_eager,
+                                 gpu_memory_utilization=rollout.gpu_memory_utilization,
+                                 enable_sleep_mode=torch.cuda.is_available())
+    from stages.rollout.hf import HFRolloutEngine
+
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, cfg.model, trainable=False)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+class ActorRolloutWorker:
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.rl = cfg.rl
+        torch.manual_seed(cfg.run.seed + rank)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.engine = make_engine(cfg, model_dir)  # first: vLLM creates the process group when it is used
+        ensure_process_group(rank, world_size)
+        model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing})
+        self.actor = self._sharded(load_model(model_dir, model_cfg))
+        self.ref = None
+        if self.rl.uses_reference and cfg.model.lora is None:
+            self.ref = self._sharded(load_model(model_dir, cfg.model, trainable=False))
+        optim = self.rl.actor.optim()
+        self.optimizer = build_optimizer(self.actor.parameters(), optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, self.rl.total_steps)
+        lora = cfg.model.lora
+        self.lora_scale = lora.alpha / lora.rank if lora else None
+
+    def _sharded(self, model) -> TokenLogprobs:
+        param_dtype = DTYPES[self.cfg.model.dtype] if self.device.type == "cuda" else None
+        return shard(TokenLogprobs(model.to(self.device)), param_dtype)
+
+    # ---- rollout -------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        self.engine.wake()
+        try:
+            return self.engine.generate(prompt_ids, params)
+        finally:
+            self.engine.sleep()
+
+    # ---- inference passes ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, role: str = "actor", with_entropy: bool = False):
+        """(logprobs, entropy) of the batch's responses under the actor or the reference, (B, R) each."""
+        model, context = self._role(role)
+        model.eval()
+        num_rows, width = len(batch), batch.num_response_tokens
+        logprobs, entropy = torch.zeros(num_rows, width), torch.zeros(num_rows, width)
+        with context:
+            for rows in micro_batches(batch, self.rl.actor):
+                lp, ent = model(**self._inputs(batch.select(rows)), temperature=self.rl.rollout.temperature,
+                                with_entropy=with_entropy)
+                logprobs[rows], entropy[rows] = lp.float().cpu(), ent.float().cpu()
+        return logprobs, entropy
+
+    def _role(self, role: str):
+        if role == "actor":
+            return self.actor, nullcontext()
+        if self.ref is not None:
+            return self.ref, nullcontext()
+        if self.lora_scale is not None:
+            return self.actor, self.actor.lm.disable_adapter()
+        raise ValueError("no reference model: set rl.actor.use_kl_loss or rl.algorithm.use_kl_in_reward")
+
+    def _inputs(self, values: Batch | dict) -> dict:
+        """Tensors moved to this worker's device (a Batch gives its model inputs)."""
+        values = values.model_inputs() if isinstance(values, Batch) else values
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in values.items()}
+
+    # ---- training ----------------------------------------------------------------------------------
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        self.actor.train()
+        metrics = update_policy(self.actor, self.optimizer, batch, self.cfg, self._inputs)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr this step used
+        self.scheduler.step()
+        return metrics
+
+    # ---- weight sync ---------------------------------------------------------------------------------
+
+    def sync_weights(self, check_prompts: list[list[int]]) -> dict[str, float]:
+        """Push the actor's weights into the engine, then check the engine on a few greedy tokens."""
+        start = time.perf_counter()
+        state = hf_weights(full_state_dict(self.actor), self.lora_scale)
+        self.engine.update_weights(state)
+        metrics = {"timing_s/sync": time.perf_counter() - start}
+        if self.rl.rollout.logprob_check_tokens and check_prompts:
+            metrics["rollout/logprob_diff_max"] = self._check_engine(check_prompts)
+        return metrics
+
+    def _check_engine(self, prompts: list[list[int]]) -> float:
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.rl.rollout.logprob_check_tokens)
+        outs = self.generate(prompts, params)
+        from stages.batch import build_batch
+
+        batch = build_batch([prompts[o.prompt_index] for o in outs], [o.response_ids for o in outs],
+                            [o.logprobs for o in outs], pad_token_id=0)
+        self.actor.eval()
+        with torch.no_grad():
+            lp, _ = self.actor(**self._inputs(batch), temperature=1.0)
+        mask = batch.response_mask
+        diff = ((lp.cpu() - batch.tensors["rollout_logprobs"]).abs() * mask).max().item()
+        if diff > self.rl.rollout.logprob_check_tol:
+            raise StaleEngineError(
+                f"rollout engine disagrees with the trainer after a weight sync: max |logprob diff| = {diff:.3g} "
+                f"> rl.rollout.logprob_check_tol={self.rl.rollout.logprob_check_tol}"
+            )
+        return diff
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        state = {"model": full_state_dict(self.actor), "optimizer": optimizer_state(self.actor, self.optimizer),
+                 "scheduler": self.scheduler.state_dict()}
+        torch.save(state, Path(path) / "actor.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(Path(path) / "actor.pt", weights_only=False)
+        load_full_state_dict(self.actor, state["model"])
+        load_optimizer_state(self.actor, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Plain HF weights (LoRA merged), for saving the trained model."""
+        return hf_weights(full_state_dict(self.actor), self.lora_scale)

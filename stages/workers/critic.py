@@ -1,0 +1,100 @@
+"""The critic worker (PPO with GAE): a value head on the policy's architecture, FSDP2-sharded.
+
+Initialised from the same model folder as the actor, with a zero-initialised value head. Values are
+read at the positions that predict each response token (see ValueModel). The loss is verl's clipped
+value loss, with the same global denominators as the actor so micro-batching does not change it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from infra.config import Config
+from stages.batch import Batch
+from stages.core import clipped_value_loss, loss_denominators
+from stages.model.fsdp import (
+    ensure_process_group,
+    full_state_dict,
+    load_full_state_dict,
+    load_optimizer_state,
+    optimizer_state,
+    shard,
+)
+from stages.model.loading import DTYPES, load_model
+from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.policy import ValueModel
+from stages.workers.actor_update import MetricMeans, _local_scale, grad_norm, micro_batches
+
+
+class CriticWorker:
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.critic_cfg = cfg.rl.critic
+        torch.manual_seed(cfg.run.seed + 1000 + rank)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        ensure_process_group(rank, world_size)
+        model_cfg = cfg.model.model_copy(update={"lora": None, "gradient_checkpointing": False})
+        value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)
+        param_dtype = DTYPES[cfg.model.dtype] if self.device.type == "cuda" else None
+        self.model = shard(value_model, param_dtype)
+        optim = self.critic_cfg.optim()
+        self.optimizer = build_optimizer(self.model.parameters(), optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, cfg.rl.total_steps)
+
+    def _inputs(self, values: Batch | dict) -> dict:
+        values = values.model_inputs() if isinstance(values, Batch) else values
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in values.items()}
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        values = torch.zeros(len(batch), batch.num_response_tokens)
+        for rows in micro_batches(batch, self.critic_cfg):
+            values[rows] = self.model(**self._inputs(batch.select(rows))).float().cpu()
+        return values * batch.response_mask
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        self.model.train()
+        cfg, rl = self.critic_cfg, self.cfg.rl
+        mini_size = rl.actor.ppo_mini_batch_size * rl.rollout.n
+        means = MetricMeans()
+        for _ in range(cfg.ppo_epochs):
+            for start in range(0, len(batch), mini_size):
+                mini = batch.select(list(range(start, min(start + mini_size, len(batch)))))
+                self._update_mini(mini, means)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {**means.result(), "critic/lr": lr}
+
+    def _update_mini(self, mini: Batch, means: MetricMeans) -> None:
+        scale = {**loss_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
+        for rows in micro_batches(mini, self.critic_cfg):
+            micro = mini.select(rows)
+            t = self._inputs(micro.tensors)
+            values = self.model(**self._inputs(micro))
+            loss, metrics = clipped_value_loss(values, t["values"], t["returns"], t["response_mask"],
+                                               self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode,
+                                               **scale)
+            loss.backward()
+            local = float(loss.detach()) * _local_scale(scale, micro.response_mask)
+            means.add({"critic/vf_loss": local, **{k: float(v) for k, v in metrics.items()}},
+                      weight=float(micro.response_mask.sum()))
+        norm = grad_norm(self.model, self.critic_cfg.grad_clip)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        means.add({"critic/grad_norm": norm})
+
+    def save_checkpoint(self, path: str) -> None:
+        state = {"model": full_state_dict(self.model), "optimizer": optimizer_state(self.model, self.optimizer),
+                 "scheduler": self.scheduler.state_dict()}
+        torch.save(state, Path(path) / "critic.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(Path(path) / "critic.pt", weights_only=False)
+        load_full_state_dict(self.model, state["model"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

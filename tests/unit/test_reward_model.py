@@ -1,0 +1,82 @@
+"""RewardModelScorer on a tiny random Qwen2 classifier saved and loaded back: a reference forward, determinism,
+batch-size and padding invariance, and refusal of a checkpoint without a reward head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+from stages.model.tiny import train_tokenizer
+from stages.rewards.reward_model import RewardModelScorer
+
+TEXTS = [f"What is {a} + {b}? The answer is {a + b}." for a in range(20) for b in range(20)]
+PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 7?"}],
+    [{"role": "user", "content": "What is 1 + 1?"}],
+]
+RESPONSES = ["5", "The answer is 19. " * 6, "The answer is 2."]  # very different lengths: padding in a batch
+
+
+def _config(tokenizer) -> Qwen2Config:
+    return Qwen2Config(vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=32, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       max_position_embeddings=512, num_labels=1, pad_token_id=None)  # the scorer sets it
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    tokenizer = train_tokenizer(TEXTS, 300)
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(_config(tokenizer))
+    out = tmp_path_factory.mktemp("tiny-rm")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def test_score_matches_an_unbatched_reference_forward(rm_dir):
+    scorer = RewardModelScorer(rm_dir, batch_size=3)
+    scores = scorer.score(PROMPTS, RESPONSES)
+    tok, model = scorer.tokenizer, scorer.model
+    for prompt, response, score in zip(PROMPTS, RESPONSES, scores):
+        # ChatML written out by hand; the score is the head applied to the last token's hidden state
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prompt)
+        text += f"<|im_start|>assistant\n{response}<|im_end|>\n"
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids).last_hidden_state[0, -1]  # (H,)
+            expected = model.score(hidden)[0].item()
+        assert score == pytest.approx(expected, abs=1e-5)
+    assert max(scores) - min(scores) > 1e-3  # the responses really get different scores
+
+
+def test_deterministic_and_batch_size_and_padding_invariant(rm_dir):
+    one = RewardModelScorer(rm_dir, batch_size=1).score(PROMPTS, RESPONSES)  # no padding at all
+    three = RewardModelScorer(rm_dir, batch_size=3).score(PROMPTS, RESPONSES)  # short ones right-padded
+    again = RewardModelScorer(rm_dir, batch_size=3).score(PROMPTS, RESPONSES)
+    assert three == again
+    assert three == pytest.approx(one, abs=1e-5)
+    # the same sample next to a much longer one (more padding) keeps its score
+    padded = RewardModelScorer(rm_dir, batch_size=2).score([PROMPTS[0], PROMPTS[1]], [RESPONSES[0], "x " * 200])
+    assert padded[0] == pytest.approx(one[0], abs=1e-5)
+
+
+def test_pad_token_is_set_on_the_model_config(rm_dir):
+    scorer = RewardModelScorer(rm_dir)
+    assert scorer.model.config.pad_token_id == scorer.tokenizer.pad_token_id is not None
+    assert scorer.tokenizer.padding_side == "right"
+
+
+def test_refuses_a_language_model_and_mismatched_inputs(rm_dir, tmp_path):
+    scorer = RewardModelScorer(rm_dir)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        scorer.score(PROMPTS[:2], RESPONSES[:1])
+    with pytest.raises(ValueError, match="batch_size=0"):
+        RewardModelScorer(rm_dir, batch_size=0)
+    tokenizer = scorer.tokenizer
+    Qwen2ForCausalLM(_config(tokenizer)).save_pretrained(tmp_path)  # a policy, no reward head
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no trained classification head"):
+        RewardModelScorer(str(tmp_path))
