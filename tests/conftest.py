@@ -100,8 +100,8 @@ def store(request, tmp_path) -> ArtifactStore:
 # A tiny synthetic dataset and a tiny model built from it, shared by the tests of one session.
 
 TINY_OVERRIDES = [
-    "data.synthetic.num_train=256", "data.synthetic.num_validation=32", "data.synthetic.num_terms=2",
-    "data.synthetic.max_operand=20", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
+    "data.synthetic.num_train=256", "data.synthetic.num_validation=32", "data.synthetic.num_terms=3",
+    "data.synthetic.max_operand=9", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
     "sft.epochs=1", "sft.train_batch_size=32", "sft.micro_batch_size=16", "evaluate.batch_size=32",
 ]
 

@@ -1,0 +1,140 @@
+"""The RL stage for real on CPU: Ray workers, vLLM (CPU build) or transformers rollouts, FSDP2 training,
+the reward process pool, trajectory tables in the store and SQL over them.
+
+One Ray instance for the module; each run starts its own colocated worker (vLLM starts in ~5 s in-process).
+"""
+
+import json
+import math
+
+import pytest
+
+from infra.checkpoints import StoreCheckpoints
+from infra.config import RayConfig, load_config
+from infra.sql import query
+from infra.store import ArtifactStore
+from infra.trajectories import RunTables
+from infra.tracking import Tracker
+from stages.model.loading import load_model
+from tests.conftest import TINY_OVERRIDES
+
+pytestmark = pytest.mark.slow
+
+RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
+      "rl.actor.micro_batch_size=16", "rl.test_freq=2", "rl.save_freq=2", "rl.max_validation_samples=8",
+      "rl.actor.lr=1e-4", "rl.reward.num_workers=1", "data.max_response_length=40"]
+
+VERL_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
+                "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
+                "timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "perf/throughput",
+                "rollout/logprob_diff_max", "reward/errors", "reward/timeouts"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import ray
+
+    from stages.workers.group import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+def run(tiny_data_dir, tiny_model_dir, tmp_path, *overrides):
+    from stages.rl import run_rl
+
+    cfg = load_config(None, TINY_OVERRIDES + RL + list(overrides))
+    store = ArtifactStore(str(tmp_path / "store"))
+    result = run_rl(cfg, str(tiny_model_dir), tiny_data_dir, tmp_path / "model",
+                    StoreCheckpoints(store, "rl-test", cfg.rl.max_ckpt_to_keep), RunTables(store, "rl-test"),
+                    Tracker([]))
+    return result, str(tmp_path / "store")
+
+
+def metric(root: str, name: str) -> list[float]:
+    rows = query(root, f"SELECT value FROM metrics WHERE name = '{name}' ORDER BY step")
+    return [r["value"] for r in rows]
+
+
+def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_model_dir, tmp_path):
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path)
+    assert result.num_steps == 3
+    names = {r["name"] for r in query(root, "SELECT DISTINCT name FROM metrics")}
+    assert VERL_METRICS <= names, VERL_METRICS - names
+    assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3  # the engine follows the trainer (fp32)
+    counts = query(root, "SELECT step, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1")
+    assert counts == [{"step": s, "n": 8 * 4} for s in (1, 2, 3)]
+    row = query(root, "SELECT * FROM rollouts LIMIT 1")[0]
+    for column in ("group_id", "prompt", "response", "score", "advantage", "old_logprob_mean", "entropy_mean",
+                   "finish_reason", "policy_version", "num_response_tokens"):
+        assert row[column] is not None, column
+    assert query(root, "SELECT DISTINCT step FROM validation ORDER BY 1") == [{"step": s} for s in (0, 2, 3)]
+    assert all(math.isfinite(v) for v in metric(root, "actor/pg_loss"))
+    load_model(result.model_dir, load_config(None).model, trainable=False)  # a plain HF folder
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rl.algorithm.adv_estimator=gae", "rl.critic.lr=1e-3"],
+    ["rl.algorithm.adv_estimator=rloo"],
+    ["rl.algorithm.adv_estimator=reinforce_plus_plus", "rl.actor.use_kl_loss=true"],
+    ["rl.algorithm.adv_estimator=remax"],
+    ["rl.actor.policy_loss=gspo", "rl.actor.loss_agg_mode=seq-mean-token-mean", "rl.actor.clip_ratio_low=3e-4",
+     "rl.actor.clip_ratio_high=4e-4"],
+    ["rl.algorithm.adv_estimator=dr_grpo", "rl.actor.loss_agg_mode=seq-mean-token-sum-norm",
+     "rl.algorithm.use_kl_in_reward=true", "rl.algorithm.kl_ctrl_type=adaptive"],
+], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward"])
+def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.total_steps=2", "rl.val_before_train=false",
+                       *overrides)
+    assert result.num_steps == 2
+    assert all(math.isfinite(v) for v in metric(root, "actor/pg_loss"))
+    if "rl.algorithm.adv_estimator=gae" in overrides:
+        assert all(math.isfinite(v) for v in metric(root, "critic/vf_loss"))
+
+
+def test_hf_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.rollout.engine=hf", "rl.total_steps=2")
+    assert result.num_steps == 2
+    assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3
+
+
+BAD_REWARD = '''
+import math, time, zlib
+from stages.rewards import default_compute_score
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    kind = zlib.crc32(solution_str.encode()) % 5
+    if kind == 0:
+        raise RuntimeError("scorer bug")
+    if kind == 1:
+        time.sleep(1e9)
+    if kind == 2:
+        return math.nan
+    return {"score": default_compute_score(data_source, solution_str, ground_truth, extra_info), "kind": kind}
+'''
+
+
+def test_bad_reward_functions_do_not_stop_the_run(tiny_data_dir, tiny_model_dir, tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(BAD_REWARD)
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, f"rl.reward.custom_path={path}",
+                       "rl.reward.timeout_s=0.5", "rl.reward.num_workers=2", "rl.total_steps=2",
+                       "rl.val_before_train=false", "rl.test_freq=0")
+    assert result.num_steps == 2
+    for name in ("reward/errors", "reward/timeouts", "reward/nan"):
+        assert sum(metric(root, name)) > 0, name
+    assert metric(root, "reward/kind/mean")  # extra dict keys are logged as reward components
+    assert query(root, "SELECT count(*) AS n FROM rollouts WHERE reward_kind IS NOT NULL")[0]["n"] > 0
+
+
+def test_dapo_dynamic_sampling_and_overlong_penalty(tiny_data_dir, tiny_model_dir, tmp_path):
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.algorithm.filter_groups=true",
+                       "rl.algorithm.filter_groups_metric=seq_reward", "rl.algorithm.max_num_gen_batches=20",
+                       "rl.reward.overlong_buffer=16", "rl.actor.clip_ratio_high=0.28", "rl.total_steps=2",
+                       "rl.val_before_train=false")
+    assert result.num_steps == 2
+    assert min(metric(root, "train/num_gen_batches")) >= 1
+    # every kept group has varied rewards (the filter's whole point)
+    spreads = query(root, "SELECT group_id, max(reward) - min(reward) AS spread FROM rollouts GROUP BY 1")
+    assert spreads and all(r["spread"] > 0 for r in spreads)
