@@ -8,7 +8,6 @@ run with the same config is all cache hits, and a run after a failure re-runs on
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from pathlib import Path
@@ -102,5 +101,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefect_env.log_to_console()
     sys.exit(main(sys.argv[1:]))

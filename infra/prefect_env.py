@@ -7,10 +7,12 @@ a user's own PREFECT_HOME / PREFECT_API_URL (a real server, a deployment's worke
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
+PACKAGES = ("stages", "infra", "data", "tasks", "flows")
 
 
 def configure() -> None:
@@ -23,3 +25,16 @@ def configure() -> None:
     os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "stages,infra,data")  # our loggers in run logs
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in PACKAGES:  # Prefect forwards these to the run's logs, but leaves their level at WARNING
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
+def log_to_console() -> None:
+    """Command-line runs: our INFO logs on stderr in Prefect's format (Prefect's root handler shows WARNING+)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
+                                           "%H:%M:%S"))
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
