@@ -154,7 +154,7 @@ class SFTConfig(Section):
 
 
 class EvaluateConfig(Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine for evaluation.")
+    engine: Literal["hf"] = Field("hf", description="Generation engine for evaluation (vllm: not yet).")
     n: int = Field(1, gt=0, description="Samples per prompt; n > 1 adds mean@n, best@n, maj@n.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when n > 1 (greedy at n=1).")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -188,6 +188,15 @@ class RayConfig(Section):
     num_cpus: int | None = Field(None, gt=0, description="CPUs of a local cluster (None: all).")
     num_devices_per_node: int = Field(1, gt=0, description="Workers (GPUs or CPU slots) per node.")
     num_nodes: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _one_worker(self) -> RayConfig:
+        if self.num_devices_per_node * self.num_nodes != 1:
+            raise ValueError(
+                f"num_devices_per_node={self.num_devices_per_node}, num_nodes={self.num_nodes}: training runs on "
+                "one worker for now; set both to 1 (multi-worker FSDP is not implemented yet)"
+            )
+        return self
 
 
 class Config(Section):

@@ -105,7 +105,6 @@ class RewardConfig(_Section):
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scorer timeout; a timeout scores 0.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO: penalise the last N tokens before max (0: off).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO: penalty at max length.")
-    reward_model_path: str | None = Field(None, description="AutoModelForSequenceClassification folder/hub id.")
 
 
 class RLConfig(_Section):
@@ -118,7 +117,6 @@ class RLConfig(_Section):
     resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the latest checkpoint.")
     val_before_train: bool = Field(True, description="Validate before the first step.")
     max_validation_samples: int | None = Field(None, gt=0, description="Cap on validation prompts.")
-    balance_batch: bool = Field(True, description="Reorder samples so workers get similar token counts.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)

@@ -74,16 +74,3 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     out[torch.arange(len(scores)), last] = scores.float()
     return out
 
-
-def balance_order(lengths: list[int], num_parts: int) -> list[int]:
-    """A row order whose `num_parts` contiguous equal parts have similar token totals (greedy LPT)."""
-    if num_parts <= 1:
-        return list(range(len(lengths)))
-    size = len(lengths) // num_parts
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    totals = [0] * num_parts
-    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        k = min((k for k in range(num_parts) if len(parts[k]) < size), key=lambda k: totals[k])
-        parts[k].append(i)
-        totals[k] += lengths[i]
-    return [i for part in parts for i in part]

@@ -1,7 +1,8 @@
 """Evaluation: generate on a held-out split and score with the training reward functions.
 
-Greedy decoding gives `acc` (exact-match accuracy: the share of responses that score 1) per
-data_source. Runnable without Prefect; the pipeline calls it for each model it compares.
+Greedy decoding gives `acc` (exact-match accuracy: the share of responses that score 1) per data_source.
+With `evaluate.n > 1`, samples at `evaluate.temperature` add mean@n, best@n and maj@n
+(stages/validation.py). Runnable without Prefect; the pipeline calls it for each model it compares.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from stages.model.loading import load_model, load_tokenizer
 from stages.rewards import default_compute_score
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.hf import HFRolloutEngine
+from stages.validation import group_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +35,18 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
     num = min(len(prompts), cfg.evaluate.max_samples or len(prompts))
     model = load_model(model_dir, cfg.model, trainable=False)
     engine = HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.evaluate.batch_size)
-    params = SamplingParams(
-        n=1, temperature=0.0, max_tokens=cfg.evaluate.max_new_tokens or cfg.data.max_response_length
-    )
-    outputs = engine.generate(prompts.prompt_ids[:num], params)
-    samples = [_score(prompts, out, tokenizer) for out in outputs]
-    return EvalResult(_accuracy(samples), samples)
+    max_tokens = cfg.evaluate.max_new_tokens or cfg.data.max_response_length
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, seed=cfg.run.seed)
+    samples = [_score(prompts, out, tokenizer) for out in engine.generate(prompts.prompt_ids[:num], greedy)]
+    metrics = _accuracy(samples)
+    ev = cfg.evaluate
+    if ev.n > 1:
+        sampling = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, max_tokens=max_tokens,
+                                  seed=cfg.run.seed)
+        sampled = [_score(prompts, out, tokenizer) for out in engine.generate(prompts.prompt_ids[:num], sampling)]
+        metrics.update(group_metrics(sampled, ev.n, prefix="eval"))
+        samples += [{**s, "sampled": True} for s in sampled]
+    return EvalResult(metrics, samples)
 
 
 def _score(prompts, out: RolloutOutput, tokenizer) -> dict:

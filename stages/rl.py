@@ -93,6 +93,7 @@ class RLTrainer:
         self.rewards = RewardPool(self.rl.reward)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
+        self.reward_metrics: dict[str, float] = {}  # of the latest scored batch
         self.step = 0
 
     # ---- the loop ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from infra.config import Config
-from stages.batch import Batch
+from stages.batch import Batch, build_batch
 from stages.model.fsdp import (
     ensure_process_group,
     full_state_dict,
@@ -146,8 +146,6 @@ class ActorRolloutWorker:
     def _check_engine(self, prompts: list[list[int]]) -> float:
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.rl.rollout.logprob_check_tokens)
         outs = self.generate(prompts, params)
-        from stages.batch import build_batch
-
         batch = build_batch([prompts[o.prompt_index] for o in outs], [o.response_ids for o in outs],
                             [o.logprobs for o in outs], pad_token_id=0)
         self.actor.eval()
