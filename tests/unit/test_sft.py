@@ -131,3 +131,16 @@ def test_evaluation_reports_sampled_metrics_when_n_above_one(tiny_config, tiny_m
     assert {"acc", "eval/acc/mean@4", "eval/acc/best@4", "eval/acc/maj@4"} <= set(result.metrics)
     assert len(result.samples) == 6 + 6 * 4
     assert result.metrics["eval/acc/best@4"] >= result.metrics["eval/acc/mean@4"]
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_config, tiny_model_dir, examples):
+    batch = examples[:8]
+    states = []
+    for checkpointing in (False, True):
+        cfg = tiny_config.model.model_copy(update={"gradient_checkpointing": checkpointing})
+        model = load_model(tiny_model_dir, cfg).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_step(model, opt, batch, 4, grad_clip=1e9, pad_id=0)
+        states.append(model.state_dict())
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,37 @@
+"""Tiny models: built offline from a spec, deterministic by seed, ordinary HF folders with a chat template."""
+
+import filecmp
+
+import pytest
+import torch
+
+from infra.config import TinyModelConfig, load_config
+from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer
+from stages.model.tiny import build_tiny_model
+
+TEXTS = ["What is 3 + 4 - 2?", "3 + 4 = 7\n7 - 2 = 5\n#### 5", "user", "assistant"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tiny_model_builds_loads_and_generates(arch, tmp_path):
+    spec = TinyModelConfig(arch=arch, hidden_size=64, intermediate_size=128)
+    a = build_tiny_model(spec, TEXTS, seed=3, out_dir=tmp_path / "a")
+    b = build_tiny_model(spec, TEXTS, seed=3, out_dir=tmp_path / "b")
+    assert filecmp.cmp(a / "model.safetensors", b / "model.safetensors", shallow=False)  # same seed, same bytes
+    assert filecmp.cmp(a / "tokenizer.json", b / "tokenizer.json", shallow=False)
+    tokenizer = load_tokenizer(a)
+    ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is 12 + 3?"}])
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n") and "12 + 3" in text
+    assert [tokenizer.decode([i]) for i in tokenizer("123", add_special_tokens=False)["input_ids"]] == ["1", "2", "3"]
+    model = load_model(a, load_config(None).model, trainable=False)
+    assert model.config.model_type == arch
+    out = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, len(ids) + 3)
+
+
+def test_different_seed_gives_different_weights(tmp_path):
+    spec = TinyModelConfig(hidden_size=64, intermediate_size=128)
+    a = build_tiny_model(spec, TEXTS, seed=0, out_dir=tmp_path / "a")
+    b = build_tiny_model(spec, TEXTS, seed=1, out_dir=tmp_path / "b")
+    assert not filecmp.cmp(a / "model.safetensors", b / "model.safetensors", shallow=False)
