@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,20 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_train_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Full (unsharded) weights, optimizer and LR-scheduler state of one trained module, in one file."""
+    state = {"model": full_state_dict(module), "optimizer": optimizer_state(module, optimizer),
+             "scheduler": scheduler.state_dict()}
+    torch.save(state, path)
+
+
+def load_train_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    state = torch.load(path, weights_only=False)
+    load_full_state_dict(module, state["model"])
+    load_optimizer_state(module, optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
 
 
 _PEFT_PREFIX = re.compile(r"^(lm\.)?(base_model\.model\.)?")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,24 @@ LOGPROBS_MODE = "processed_logprobs"
 
 
 CPU_BATCHED_TOKENS = 1 << 17
+
+
+@contextmanager
+def _without_proxy_modules():
+    """Hide modules holding werkzeug LocalProxy objects (Flask's `current_app`, ...) while vLLM starts.
+
+    vLLM's CPU platform scans every attribute of every loaded module with `hasattr`, and a LocalProxy outside
+    an app context raises RuntimeError there (only AttributeError is swallowed). Flask gets loaded by, e.g.,
+    moto's S3 server in the same process. `type(v)` does not touch the proxy, so the check itself is safe.
+    """
+    hidden = {name: module for name, module in list(sys.modules.items())
+              if any(type(v).__name__ == "LocalProxy" for v in list(getattr(module, "__dict__", {}).values()))}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 class VLLMRolloutEngine:
@@ -60,12 +80,13 @@ class VLLMRolloutEngine:
         # CPU: a seeded request whose prefill is split across scheduler steps fails ("CPU Generator does
         # not use offset"), so give the scheduler a budget large enough that prefills are never chunked.
         budget = {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_BATCHED_TOKENS}
-        self.llm = vllm.LLM(
-            model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION_CLS,
-            **budget,
-        )
+        with _without_proxy_modules():
+            self.llm = vllm.LLM(
+                model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION_CLS,
+                **budget,
+            )
         self.stop_token_ids = default_stop_token_ids(self.model_dir, self.llm.get_tokenizer().eos_token_id)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))

@@ -23,9 +23,8 @@ from stages.model.fsdp import (
     ensure_process_group,
     full_state_dict,
     hf_weights,
-    load_full_state_dict,
-    load_optimizer_state,
-    optimizer_state,
+    load_train_state,
+    save_train_state,
     shard,
 )
 from stages.model.loading import DTYPES, load_model, load_tokenizer
@@ -163,15 +162,10 @@ class ActorRolloutWorker:
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> None:
-        state = {"model": full_state_dict(self.actor), "optimizer": optimizer_state(self.actor, self.optimizer),
-                 "scheduler": self.scheduler.state_dict()}
-        torch.save(state, Path(path) / "actor.pt")
+        save_train_state(Path(path) / "actor.pt", self.actor, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(Path(path) / "actor.pt", weights_only=False)
-        load_full_state_dict(self.actor, state["model"])
-        load_optimizer_state(self.actor, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_train_state(Path(path) / "actor.pt", self.actor, self.optimizer, self.scheduler)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """Plain HF weights (LoRA merged), for saving the trained model."""

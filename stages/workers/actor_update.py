@@ -109,12 +109,12 @@ def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
     if actor.use_kl_loss:
         kl, kl_metrics = kl_loss(logprobs, t["ref_logprobs"], mask, actor.kl_loss_type, actor.loss_agg_mode, **scale)
         loss = loss + actor.kl_loss_coef * kl
-        metrics["actor/kl_loss"] = float(kl.detach()) * _local_scale(denominators, mask)
+        metrics["actor/kl_loss"] = float(kl.detach()) * local_scale(denominators, mask)
         metrics["actor/kl_coef"] = actor.kl_loss_coef
-    metrics["actor/pg_loss"] = float(pg_loss.detach()) * _local_scale(denominators, mask)
+    metrics["actor/pg_loss"] = float(pg_loss.detach()) * local_scale(denominators, mask)
     return loss, metrics
 
 
-def _local_scale(denominators: dict, mask: torch.Tensor) -> float:
+def local_scale(denominators: dict, mask: torch.Tensor) -> float:
     """Undo the global token denominator, so a micro-batch's loss metric is its own token mean."""
     return float(denominators["global_num_tokens"]) / max(float(mask.sum()), 1.0)

@@ -15,18 +15,11 @@ import torch
 from infra.config import Config
 from stages.batch import Batch
 from stages.core import clipped_value_loss, loss_denominators
-from stages.model.fsdp import (
-    ensure_process_group,
-    full_state_dict,
-    load_full_state_dict,
-    load_optimizer_state,
-    optimizer_state,
-    shard,
-)
+from stages.model.fsdp import ensure_process_group, load_train_state, save_train_state, shard
 from stages.model.loading import DTYPES, load_model
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import ValueModel
-from stages.workers.actor_update import MetricMeans, _local_scale, grad_norm, micro_batches
+from stages.workers.actor_update import MetricMeans, grad_norm, local_scale, micro_batches
 
 
 class CriticWorker:
@@ -79,7 +72,7 @@ class CriticWorker:
                                                self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode,
                                                **scale)
             loss.backward()
-            local = float(loss.detach()) * _local_scale(scale, micro.response_mask)
+            local = float(loss.detach()) * local_scale(scale, micro.response_mask)
             means.add({"critic/vf_loss": local, **{k: float(v) for k, v in metrics.items()}},
                       weight=float(micro.response_mask.sum()))
         norm = grad_norm(self.model, self.critic_cfg.grad_clip)
@@ -89,12 +82,7 @@ class CriticWorker:
         means.add({"critic/grad_norm": norm})
 
     def save_checkpoint(self, path: str) -> None:
-        state = {"model": full_state_dict(self.model), "optimizer": optimizer_state(self.model, self.optimizer),
-                 "scheduler": self.scheduler.state_dict()}
-        torch.save(state, Path(path) / "critic.pt")
+        save_train_state(Path(path) / "critic.pt", self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(Path(path) / "critic.pt", weights_only=False)
-        load_full_state_dict(self.model, state["model"])
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_train_state(Path(path) / "critic.pt", self.model, self.optimizer, self.scheduler)
