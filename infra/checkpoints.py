@@ -26,10 +26,6 @@ class StoreCheckpoints:
         refs = [(int(m.metadata["step"]), ArtifactRef(m.kind, m.name, m.version)) for m in versions]
         return sorted(refs, key=lambda pair: pair[0])
 
-    def latest_step(self) -> int:
-        found = self._by_step()
-        return found[-1][0] if found else 0
-
     def latest(self) -> Path | None:
         found = self._by_step()
         if not found:

@@ -34,9 +34,6 @@ class Batch:
         meta = {k: [v[i] for i in index.tolist()] for k, v in self.meta.items()}
         return Batch(tensors, meta)
 
-    def split(self, size: int) -> list[Batch]:
-        return [self.select(list(range(s, min(s + size, len(self))))) for s in range(0, len(self), size)]
-
     def model_inputs(self) -> dict:
         """What TokenLogprobs / ValueModel take (on CPU; the worker moves them)."""
         t = self.tensors

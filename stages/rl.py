@@ -43,6 +43,8 @@ from stages.workers.group import WorkerGroup, init_ray
 
 logger = logging.getLogger(__name__)
 
+COUNTS = ("/errors", "/timeouts", "/nan")  # reward metrics that add up over generation batches (others: means)
+
 
 @dataclass
 class RLResult:
@@ -93,7 +95,7 @@ class RLTrainer:
         self.rewards = RewardPool(self.rl.reward)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
-        self.reward_metrics: dict[str, float] = {}  # of the latest scored batch
+        self.reward_metrics: dict[str, float] = {}
         self.step = 0
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class RLTrainer:
         """A scored batch of train_batch_size groups (more generations when filtering groups)."""
         alg = self.rl.algorithm
         kept, num_groups, gen = [], 0, 0
+        self.reward_metrics = {}  # summed over this step's generation batches
         while num_groups < self.rl.train_batch_size:
             if alg.filter_groups and alg.max_num_gen_batches and gen >= alg.max_num_gen_batches:
                 raise RuntimeError(
@@ -169,7 +172,8 @@ class RLTrainer:
         batch = kept[0] if len(kept) == 1 else concat_batches(kept, self.tokenizer.pad_token_id)
         groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
         batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
-        return batch, {"train/num_gen_batches": gen, **self.reward_metrics}
+        means = {k: v / gen for k, v in self.reward_metrics.items() if not k.endswith(COUNTS)}
+        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means}
 
     def generate(self, indices: list[int], group_prefix: str, seed: int, timer: StepTimer) -> Batch:
         ro = self.rl.rollout
@@ -199,7 +203,8 @@ class RLTrainer:
         batch.tensors["scores"], batch.tensors["rewards"] = scores, scores + penalty
         for name, values in result.components.items():
             batch.meta[f"reward_{name}"] = values
-        self.reward_metrics = {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+        for key, value in {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}.items():
+            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
 
     def _greedy_baselines(self, batch: Batch, indices: list[int]) -> torch.Tensor:
         """ReMax: each sample's baseline is the score of its prompt's greedy response."""

@@ -80,8 +80,8 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
         for k, v in b.meta.items():
             meta.setdefault(k, []).extend(v)
     batch = build_batch(prompts, responses, logprobs, pad_token_id, meta)
-    for key in ("scores", "rewards"):
-        if all(key in b.tensors for b in batches):
+    for key, value in batches[0].tensors.items():  # per-sample values (scores, rewards, baselines)
+        if value.dim() == 1:
             batch.tensors[key] = torch.cat([b.tensors[key] for b in batches])
     return batch
 

@@ -96,11 +96,9 @@ def hf_weights(state: dict[str, torch.Tensor], lora_scale: float | None) -> dict
         name = _PEFT_PREFIX.sub("", key)
         if ".lora_" in name:
             continue
-        name = name.replace(".base_layer.", ".")
-        if lora_scale is not None and name.endswith(".weight"):
-            a = state.get(key.replace(".base_layer.weight", ".lora_A.default.weight"))
-            b = state.get(key.replace(".base_layer.weight", ".lora_B.default.weight"))
-            if a is not None and b is not None and a is not value:
-                value = value + lora_scale * (b.float() @ a.float()).to(value.dtype)
-        out[name] = value
+        if lora_scale is not None and key.endswith(".base_layer.weight"):
+            a = state[key.replace(".base_layer.weight", ".lora_A.default.weight")]
+            b = state[key.replace(".base_layer.weight", ".lora_B.default.weight")]
+            value = value + lora_scale * (b.float() @ a.float()).to(value.dtype)
+        out[name.replace(".base_layer.", ".")] = value
     return out

@@ -83,12 +83,14 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
      "rl.actor.clip_ratio_high=4e-4"],
     ["rl.algorithm.adv_estimator=dr_grpo", "rl.actor.loss_agg_mode=seq-mean-token-sum-norm",
      "rl.algorithm.use_kl_in_reward=true", "rl.algorithm.kl_ctrl_type=adaptive"],
-], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward"])
+    ["model.lora.rank=8", "rl.actor.use_kl_loss=true", "rl.actor.lr=1e-3"],
+], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss"])
 def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):
     result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.total_steps=2", "rl.val_before_train=false",
                        *overrides)
     assert result.num_steps == 2
     assert all(math.isfinite(v) for v in metric(root, "actor/pg_loss"))
+    assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3  # synced weights (LoRA: merged) match
     if "rl.algorithm.adv_estimator=gae" in overrides:
         assert all(math.isfinite(v) for v in metric(root, "critic/vf_loss"))
 
