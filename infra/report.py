@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
@@ -197,7 +198,8 @@ def figure_png(panel: Panel, series: dict[str, list[tuple[int, float]]],
         total = name == "timing_s/step"  # the whole step: the reference the phases are read against
         marker = "o" if len(points) <= 60 else None  # markers show single points; long runs are lines
         ax.plot(steps, values, marker=marker, markersize=3.5 if len(points) > 1 else 6, label=_label(name, panel),
-                color="black" if total else f"C{i % 10}", linewidth=2.2 if total else 1.4,
+                color="black" if total else (f"C{i}" if len(series) <= 10 else colormaps["tab20"](i % 20)),
+                linewidth=2.2 if total else 1.4,
                 linestyle="-" if panel.wide else ("-", "--", ":")[i % 3])  # equal series stay visible
     if panel.band and panel.band[0] in metrics and panel.band[1] in metrics:
         low, high = dict(metrics[panel.band[0]]), dict(metrics[panel.band[1]])
