@@ -1,9 +1,11 @@
-"""The post-training flow: data prep -> base model -> SFT -> RL -> evaluation of each model.
+"""The post-training flow: data prep -> base model -> SFT -> RL -> merge -> evaluation of each model.
 
 Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache]
 
 The flow only sequences stages; each stage is a cached Prefect task (see tasks/stages.py), so a second
 run with the same config is all cache hits, and a run after a failure re-runs only what did not finish.
+RL returns its final checkpoint; merge turns it into the HF model that evaluation compares with the base
+and SFT models. The comparison is published every run (the `evals` table, Prefect table + markdown).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from tasks.stages import (  # noqa: E402
     base_model_task,
     data_prep_task,
     evaluate_task,
+    merge_task,
     open_store,
+    publish_evals_task,
     rl_task,
     sft_task,
 )
@@ -56,9 +60,12 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
     if cfg.sft.enabled:
         models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
     if cfg.rl.enabled:
-        models["rl"] = stages.run("rl", rl_task, cfg, dataset, models.get("sft", base_model), ctx)
+        init_model = models.get("sft", base_model)
+        checkpoint = stages.run("rl", rl_task, cfg, dataset, init_model, ctx)
+        models["rl"] = stages.run("merge", merge_task, cfg, checkpoint, init_model)
     results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
                for label, model in models.items()}
+    publish_evals_task(cfg, results, ctx)
     print(summary_table(results, stages.states))
     return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states}
 
@@ -77,9 +84,9 @@ class StageLog:
 
 def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
     lines = ["", "stages: " + ", ".join(f"{k} {v.lower()}" for k, v in states.items()), "",
-             f"{'model':<8} {'held-out acc':>12}  artifact", "-" * 60]
+             f"{'model':<8} {'held-out acc':>12}  {'engine':<6}  artifact", "-" * 72]
     for label, r in results.items():
-        lines.append(f"{label:<8} {100 * r['acc']:>11.1f}%  {r['model']}")
+        lines.append(f"{label:<8} {100 * r['acc']:>11.1f}%  {r['engine']:<6}  {r['model']}")
     return "\n".join(lines)
 
 

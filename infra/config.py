@@ -154,13 +154,17 @@ class SFTConfig(Section):
 
 
 class EvaluateConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine for evaluation (vllm: not yet).")
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Generation engine, run in a Ray actor: vllm, hf (transformers), or auto (vllm where "
+        "it is installed, else hf)."
+    )
     n: int = Field(1, gt=0, description="Samples per prompt; n > 1 adds mean@n, best@n, maj@n.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when n > 1 (greedy at n=1).")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int | None = Field(None, gt=0, description="None: data.max_response_length.")
     batch_size: int = Field(64, gt=0, description="Prompts per generation call.")
     max_samples: int | None = Field(None, gt=0, description="Cap on evaluated prompts (None: all).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: share of memory it may use.")
 
 
 class StorageConfig(Section):

@@ -1,75 +1,249 @@
 """Evaluation: generate on a held-out split and score with the training reward functions.
 
-Greedy decoding gives `acc` (exact-match accuracy: the share of responses that score 1) per data_source.
-With `evaluate.n > 1`, samples at `evaluate.temperature` add mean@n, best@n and maj@n
-(stages/validation.py). Runnable without Prefect; the pipeline calls it for each model it compares.
+Engines (`evaluate.engine`): `vllm`, `hf` (transformers) or `auto` (the default: vLLM where it is
+installed, else hf). Generation runs in Ray actors (`EvalWorker`, one device each, on the cluster that
+stages/workers/group.py `init_ray` starts or attaches to, so `ray.address` is honoured): the in-process
+vLLM engine creates a torch.distributed group and binds the process's threads, which the Prefect task's
+process must not inherit (a second model evaluated in the same process would find the group taken). With
+N workers (`ray.num_devices_per_node * ray.num_nodes`) each generates a contiguous share of the prompts.
+
+Metrics, per data_source and over all of them (`all`): greedy `acc`, the share of responses scoring >= 1;
+with `evaluate.n > 1`, n samples per prompt at `evaluate.temperature` add mean@n, best@n (pass@n) and
+maj@n (stages/validation.py). Scores come from the RL stage's reward functions (`rl.reward`: the
+data_source scorers or the custom function) in the same process pool with per-sample timeouts.
+
+The `evals` table (infra/trajectories.py, partition `run_id` = the flow run, `label` = the model's label:
+base, sft, rl), one row per (data_source, metric) in long format, like `metrics`:
+
+    model VARCHAR        the evaluated model (artifact ref, local folder or hub id)
+    eval VARCHAR         the eval artifact holding metrics.json and samples.jsonl (one row per response)
+    dataset VARCHAR      the dataset artifact; split VARCHAR: 'validation'
+    engine VARCHAR       vllm or hf
+    data_source VARCHAR  a data_source of the split, or 'all'
+    metric VARCHAR       acc, mean@n, best@n, maj@n
+    value DOUBLE         in [0, 1]
+    num_prompts BIGINT   prompts evaluated for that data_source
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
+
+import torch
 
 from infra.config import Config
 from stages.data_prep import load_prompts
 from stages.model.loading import load_model, load_tokenizer
-from stages.rewards import default_compute_score
+from stages.rewards.pool import RewardPool, RewardRequest
 from stages.rollout.base import RolloutOutput, SamplingParams
-from stages.rollout.hf import HFRolloutEngine
 from stages.validation import group_metrics
 
 logger = logging.getLogger(__name__)
 
+ALL = "all"  # the data_source name of the aggregate over every data_source
+
+
+def resolve_engine(name: str) -> str:
+    """'auto' -> 'vllm' where vLLM is installed, else 'hf'; 'vllm' without vLLM is an error."""
+    has_vllm = find_spec("vllm") is not None
+    if name == "auto":
+        return "vllm" if has_vllm else "hf"
+    if name == "vllm" and not has_vllm:
+        raise ValueError("evaluate.engine=vllm but vLLM is not installed in this environment; "
+                         "set evaluate.engine=hf (or auto, which picks hf here)")
+    return name
+
+
+def max_new_tokens(cfg: Config) -> int:
+    return cfg.evaluate.max_new_tokens or cfg.data.max_response_length
+
+
+# ---- the Ray actor ------------------------------------------------------------------------------
+
+
+class EvalWorker:
+    """One engine on one device; generates its contiguous share of the prompts (prompt indices kept global)."""
+
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.engine = make_engine(cfg, model_dir)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        per_rank = -(-len(prompt_ids) // self.world_size)  # ceil
+        start = self.rank * per_rank
+        outputs = self.engine.generate(prompt_ids[start : start + per_rank], params)
+        for out in outputs:
+            out.prompt_index += start
+        return outputs
+
+
+def make_engine(cfg: Config, model_dir: str):
+    ev = cfg.evaluate
+    if ev.engine == "vllm":
+        from stages.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                 max_model_len=cfg.data.max_prompt_length + max_new_tokens(cfg),
+                                 gpu_memory_utilization=ev.gpu_memory_utilization)
+    from stages.rollout.hf import HFRolloutEngine
+
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    model = load_model(model_dir, cfg.model, trainable=False)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, ev.batch_size)
+
+
+@contextmanager
+def eval_workers(cfg: Config, model_dir: str):
+    """N independent `EvalWorker` actors, one device each, on this stage's own Ray or `ray.address`'s cluster.
+
+    Not a stages/workers WorkerGroup: evaluation workers share no torch.distributed world and no device with
+    another role, so they need no placement group or rendezvous, only a device each. Yields a function
+    `generate(prompt_ids, params) -> outputs` over all of them (prompt-major, like one engine).
+    """
+    import ray
+
+    from stages.workers.group import init_ray
+
+    started_ray = init_ray(cfg.ray)
+    handles = []
+    try:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
+        remote = ray.remote(num_cpus=1, num_gpus=num_gpus)(EvalWorker)
+        handles = [remote.remote(cfg, model_dir, rank, world_size) for rank in range(world_size)]
+
+        def generate(prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+            shards = ray.get([h.generate.remote(prompt_ids, params) for h in handles])
+            return [out for shard in shards for out in shard]
+
+        yield generate
+    finally:
+        for handle in handles:
+            ray.kill(handle)
+        if started_ray:
+            ray.shutdown()
+
+
+# ---- evaluation ---------------------------------------------------------------------------------
+
 
 @dataclass
 class EvalResult:
-    metrics: dict[str, float]  # "<data_source>/acc", "acc"
-    samples: list[dict]  # one row per generated response
+    engine: str
+    scores: dict[str, dict[str, float]]  # data_source (and "all") -> metric (acc, mean@n, ...) -> value
+    num_prompts: dict[str, int]  # data_source (and "all") -> prompts evaluated
+    samples: list[dict]  # one row per generated response (greedy, then the n samples when n > 1)
+
+    @property
+    def acc(self) -> float:
+        return self.scores[ALL]["acc"]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Flat view: 'acc', 'mean@n', ... over all data sources, '<data_source>/<metric>' per source."""
+        return {(name if src == ALL else f"{src}/{name}"): value
+                for src, metrics in self.scores.items() for name, value in metrics.items()}
 
 
 def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
+    """Greedy (and, with n > 1, sampled) generation on `data_file`'s prompts, scored per data_source."""
+    ev = cfg.evaluate
+    engine = resolve_engine(ev.engine)
+    cfg = cfg.model_copy(update={"evaluate": ev.model_copy(update={"engine": engine})})
     tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
     prompts = load_prompts(data_file, tokenizer, cfg.data)
-    num = min(len(prompts), cfg.evaluate.max_samples or len(prompts))
-    model = load_model(model_dir, cfg.model, trainable=False)
-    engine = HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.evaluate.batch_size)
-    max_tokens = cfg.evaluate.max_new_tokens or cfg.data.max_response_length
-    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, seed=cfg.run.seed)
-    samples = [_score(prompts, out, tokenizer) for out in engine.generate(prompts.prompt_ids[:num], greedy)]
-    metrics = _accuracy(samples)
-    ev = cfg.evaluate
+    num = min(len(prompts), ev.max_samples or len(prompts))
+    if num == 0:
+        raise ValueError(f"{data_file}: no prompts to evaluate (all filtered by data.max_prompt_length?)")
+    stop = (tokenizer.eos_token_id,)
+    runs = [SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens(cfg), stop_token_ids=stop,
+                           seed=cfg.run.seed)]
     if ev.n > 1:
-        sampling = SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p, max_tokens=max_tokens,
-                                  seed=cfg.run.seed)
-        sampled = [_score(prompts, out, tokenizer) for out in engine.generate(prompts.prompt_ids[:num], sampling)]
-        metrics.update(group_metrics(sampled, ev.n, prefix="eval"))
-        samples += [{**s, "sampled": True} for s in sampled]
-    return EvalResult(metrics, samples)
+        runs.append(SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
+                                   max_tokens=max_new_tokens(cfg), stop_token_ids=stop, seed=cfg.run.seed))
+    logger.info("evaluate %s on %d prompts with %s (n=%d)", model_dir, num, engine, ev.n)
+    with eval_workers(cfg, str(model_dir)) as generate:
+        outputs = [generate(prompts.prompt_ids[:num], params) for params in runs]
+    with RewardPool(cfg.rl.reward) as pool:
+        greedy = _score(pool, prompts, outputs[0], tokenizer, sampled=False)
+        sampled = _score(pool, prompts, outputs[1], tokenizer, sampled=True) if ev.n > 1 else []
+    scores, counts = score_table(greedy, sampled, ev.n)
+    return EvalResult(engine, scores, counts, greedy + sampled)
 
 
-def _score(prompts, out: RolloutOutput, tokenizer) -> dict:
-    i = out.prompt_index
-    text = tokenizer.decode(out.response_ids, skip_special_tokens=True)
-    result = default_compute_score(prompts.data_sources[i], text, prompts.ground_truths[i], prompts.extra_infos[i])
-    score = float(result["score"] if isinstance(result, dict) else result)
-    return {
-        "prompt_index": i,
-        "data_source": prompts.data_sources[i],
-        "response": text,
-        "ground_truth": prompts.ground_truths[i],
-        "score": score,
-        "finish_reason": out.finish_reason,
-        "response_length": len(out.response_ids),
-    }
+def _score(pool: RewardPool, prompts, outputs: list[RolloutOutput], tokenizer, sampled: bool) -> list[dict]:
+    texts = [tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
+    rows = [o.prompt_index for o in outputs]
+    result = pool.score([RewardRequest(prompts.data_sources[i], text, prompts.ground_truths[i],
+                                       prompts.extra_infos[i]) for i, text in zip(rows, texts)])
+    failed = {k: v for k, v in result.metrics.items() if k in ("reward/errors", "reward/timeouts", "reward/nan") and v}
+    if failed:
+        logger.warning("evaluation: %s of %d responses scored 0 by the reward pool", failed, len(outputs))
+    return [{"prompt_index": i, "sampled": sampled, "data_source": prompts.data_sources[i],
+             "prompt": prompts.prompts[i][-1]["content"], "response": text,
+             "ground_truth": str(prompts.ground_truths[i]), "score": score, "reward_error": error,
+             "finish_reason": o.finish_reason, "response_length": len(o.response_ids)}
+            for i, text, score, error, o in zip(rows, texts, result.scores, result.errors, outputs)]
 
 
-def _accuracy(samples: list[dict]) -> dict[str, float]:
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for s in samples:
-        by_source[s["data_source"]].append(1.0 if s["score"] >= 1.0 else 0.0)
-    metrics = {f"{src}/acc": sum(v) / len(v) for src, v in by_source.items()}
-    hits = [h for v in by_source.values() for h in v]
-    metrics["acc"] = sum(hits) / len(hits) if hits else 0.0
-    return metrics
+def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """Per data_source and over all: acc of the greedy samples, mean/best/maj@n of the sampled ones."""
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for s in greedy:
+        by_source[s["data_source"]].append(s)
+    groups = {**{src: by_source[src] for src in sorted(by_source)}, ALL: greedy}
+    scores, counts = {}, {}
+    for src, rows in groups.items():
+        scores[src] = {"acc": sum(1.0 for s in rows if s["score"] >= 1.0) / len(rows)}
+        counts[src] = len(rows)
+        if sampled:
+            mine = [s for s in sampled if src == ALL or s["data_source"] == src]
+            metrics = group_metrics(mine, n, prefix="eval")
+            scores[src].update({name: metrics[f"eval/acc/{name}"] for name in (f"mean@{n}", f"best@{n}", f"maj@{n}")})
+    return scores, counts
+
+
+# ---- results: table rows and the base / SFT / RL comparison -------------------------------------
+
+
+def summary(result: EvalResult, label: str, model: str, dataset: str, eval_ref: str) -> dict:
+    """A JSON-able record of one model's evaluation (what the pipeline's evaluate task returns)."""
+    return {"label": label, "model": model, "dataset": dataset, "eval": eval_ref, "engine": result.engine,
+            "acc": result.acc, "scores": result.scores, "num_prompts": result.num_prompts}
+
+
+def eval_rows(record: dict) -> list[dict]:
+    """The `evals` table rows of one `summary` record (schema in the module docstring)."""
+    return [{"model": record["model"], "eval": record["eval"], "dataset": record["dataset"], "split": "validation",
+             "engine": record["engine"], "data_source": src, "metric": metric, "value": float(value),
+             "num_prompts": int(record["num_prompts"][src])}
+            for src, metrics in record["scores"].items() for metric, value in metrics.items()]
+
+
+def comparison_rows(records: dict[str, dict]) -> list[dict]:
+    """One row per (data_source, metric), one column per model label (None where a model lacks it)."""
+    keys = list(dict.fromkeys((src, metric) for r in records.values()
+                              for src, metrics in r["scores"].items() for metric in metrics))
+    return [{"data_source": src, "metric": metric,
+             **{label: r["scores"].get(src, {}).get(metric) for label, r in records.items()}} for src, metric in keys]
+
+
+def comparison_markdown(records: dict[str, dict]) -> str:
+    """A markdown report: the comparison table (percent) and what each column was made from."""
+    labels = list(records)
+    lines = ["# Held-out evaluation: " + " vs ".join(labels), "",
+             "| data_source | metric | " + " | ".join(labels) + " |", "|---|---|" + "---:|" * len(labels)]
+    for row in comparison_rows(records):
+        cells = ["-" if row[label] is None else f"{100 * row[label]:.1f}%" for label in labels]
+        lines.append(f"| {row['data_source']} | {row['metric']} | " + " | ".join(cells) + " |")
+    lines += ["", "| model | artifact | engine | prompts | eval |", "|---|---|---|---:|---|"]
+    lines += [f"| {label} | `{r['model']}` | {r['engine']} | {r['num_prompts'][ALL]} | `{r['eval']}` |"
+              for label, r in records.items()]
+    return "\n".join(lines) + "\n"

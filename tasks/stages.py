@@ -25,6 +25,7 @@ from infra.checkpoints import StoreCheckpoints  # noqa: E402
 from infra.config import Config, config_hash  # noqa: E402
 from infra.store import ArtifactRef, ArtifactStore  # noqa: E402
 from infra.tracking import Tracker  # noqa: E402
+from stages.merge import checkpoint_metadata  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,19 @@ def _rl_sections(cfg: Config) -> tuple:
     return cfg.rl, cfg.model, cfg.data, str(cfg.run.seed)
 
 
+def _merge_sections(cfg: Config) -> tuple:
+    return cfg.model.lora, cfg.model.trust_remote_code
+
+
 def _eval_sections(cfg: Config) -> tuple:
-    return cfg.evaluate, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.model.dtype
+    """What evaluation results depend on: the engine as resolved here (auto -> vllm or hf), the prompt
+    and response lengths, dtype, the reward function and the sampling seed."""
+    from stages.evaluate import resolve_engine
+
+    ev, reward = cfg.evaluate, cfg.rl.reward
+    return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
+            cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
+            reward.custom_path, reward.custom_function, str(reward.timeout_s), str(cfg.run.seed))
 
 
 def open_store(cfg: Config) -> ArtifactStore:
@@ -131,7 +143,8 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
     store = open_store(cfg)
     key = stage_hash(cfg, _sft_sections, [dataset, base_model])
     inputs = {"dataset": dataset, "base_model": base_model}
-    checkpoints = StoreCheckpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs)
+    checkpoints = StoreCheckpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs,
+                                   checkpoint_metadata(cfg.model))
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "sft") as tracker:
         result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
@@ -141,10 +154,16 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
     return str(ref)
 
 
-@task(name="rl", cache_key_fn=stage_key("rl", _rl_sections, ("dataset", "init_model")), persist_result=True,
-      result_serializer="json", retries=1)
+# The cache key's prefix says what the task returns (a checkpoint since the merge stage exists), so a result
+# cached by an older version of this task (a model ref) is never handed to merge.
+@task(name="rl", cache_key_fn=stage_key("rl-checkpoint", _rl_sections, ("dataset", "init_model")),
+      persist_result=True, result_serializer="json", retries=1)
 def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
-    """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints."""
+    """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints.
+
+    Returns the final checkpoint's ref (the RL loop always checkpoints its last step); `merge` turns it
+    into a model.
+    """
     from infra.trajectories import RunTables
     from stages.rl import run_rl
 
@@ -152,33 +171,75 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     key = stage_hash(cfg, _rl_sections, [dataset, init_model])
     inputs = {"dataset": dataset, "init_model": init_model}
     run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
-    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs)
+    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, checkpoint_metadata(cfg.model))
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "rl") as tracker:
         result = run_rl(cfg, local_model_path(store, init_model), data_dir, Path(tmp), checkpoints,
                         RunTables(store, run_id), tracker)
-        ref = store.put_dir("model", "rl", Path(tmp), inputs=inputs, config_hash=key,
-                            metadata={"steps": result.num_steps, "run_id": run_id,
-                                      "metrics": {k: v for k, v in result.final_metrics.items() if "/" in k}})
-    get_run_logger().info("rl model: %s after %d steps (trajectories: run_id=%s)", ref, result.num_steps, run_id)
+    ref = checkpoints.latest_ref()
+    if ref is None or store.manifest(ref).metadata["step"] != result.num_steps:
+        raise RuntimeError(f"rl: no checkpoint of the final step {result.num_steps} in {run_id} (found {ref})")
+    get_run_logger().info("rl: %d steps, final checkpoint %s (trajectories: run_id=%s)", result.num_steps, ref, run_id)
     return str(ref)
+
+
+@task(name="merge", cache_key_fn=stage_key("merge", _merge_sections, ("checkpoint", "base_model")),
+      persist_result=True, result_serializer="json", retries=1)
+def merge_task(cfg: Config, checkpoint: str, base_model: str, name: str = "rl") -> str:
+    """A checkpoint (+ the model it was trained from) -> a plain HF folder, the versioned artifact model/<name>."""
+    from stages.merge import merge_checkpoint, merge_source, store_merged
+
+    store = open_store(cfg)
+    ref = ArtifactRef.parse(checkpoint)
+    if ref.kind != "checkpoint":
+        raise ValueError(f"merge: {checkpoint} is not a checkpoint; re-run the flow with --refresh-cache")
+    source = merge_source(store, ref, base_model=base_model)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = merge_checkpoint(source, Path(tmp) / "model")
+        model = store_merged(store, source, result, name,
+                             config_hash=stage_hash(cfg, _merge_sections, [checkpoint, base_model]))
+    get_run_logger().info("merge: %s (step %d%s) -> %s", ref, source.step,
+                          f", LoRA r={result.lora_rank} merged" if result.lora_rank else "", model)
+    return str(model)
 
 
 @task(name="evaluate", cache_key_fn=stage_key("evaluate", _eval_sections, ("dataset", "model")),
       persist_result=True, result_serializer="json")
 def evaluate_task(cfg: Config, dataset: str, model: str, label: str) -> dict:
-    from stages.evaluate import evaluate_model
+    """Evaluate one model on the dataset's validation split; -> its summary record (stages.evaluate.summary)."""
+    from stages.evaluate import evaluate_model, summary
 
     store = open_store(cfg)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     result = evaluate_model(cfg, Path(local_model_path(store, model)), data_dir / "validation.parquet")
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "metrics.json").write_text(json.dumps(result.metrics, indent=2))
+        (Path(tmp) / "metrics.json").write_text(json.dumps(result.scores, indent=2))
         (Path(tmp) / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
         ref = store.put_dir("eval", label, Path(tmp), inputs={"dataset": dataset, "model": model},
-                            config_hash=stage_hash(cfg, _eval_sections, [dataset, model]))
-    get_run_logger().info("evaluate %s (%s): acc=%.3f -> %s", label, model, result.metrics["acc"], ref)
-    return {"model": model, "eval": str(ref), **result.metrics}
+                            config_hash=stage_hash(cfg, _eval_sections, [dataset, model]),
+                            metadata={"engine": result.engine, "acc": result.acc})
+    get_run_logger().info("evaluate %s (%s, %s): acc=%.3f -> %s", label, model, result.engine, result.acc, ref)
+    return summary(result, label, model, dataset, str(ref))
+
+
+@task(name="publish-evals")
+def publish_evals_task(cfg: Config, records: dict[str, dict], ctx: RunContext) -> list[dict]:
+    """This run's comparison of its models: rows of the `evals` table (run_id = this flow run, label = the
+    model's label) and Prefect table + markdown artifacts. Not cached: every run publishes its own."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from infra.trajectories import RunTables
+    from stages.evaluate import comparison_markdown, comparison_rows, eval_rows
+
+    tables = RunTables(open_store(cfg), ctx.run_id)
+    for label, record in records.items():
+        tables.write_evals(label, eval_rows(record))
+    rows = comparison_rows(records)
+    what = " vs ".join(records)
+    create_table_artifact(rows, key="post-train-evals", description=f"Held-out evaluation of {what} (run {ctx.run_id})")
+    create_markdown_artifact(comparison_markdown(records), key="post-train-evals-report",
+                             description=f"Held-out evaluation of {what} (run {ctx.run_id})")
+    return rows
 
 
 def _tracker(cfg: Config, ctx: RunContext, stage: str) -> Tracker:

@@ -83,6 +83,21 @@ def load_train_state(path: Path, module: nn.Module, optimizer: torch.optim.Optim
     scheduler.load_state_dict(state["scheduler"])
 
 
+def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict of `role` ('actor' or 'critic') in an RL checkpoint folder, on
+    CPU, read in one process without a process group (what the merge stage consolidates).
+
+    Keys are the trained module's (TokenLogprobs: `lm.` + HF or peft names; see `hf_weights`). The file is
+    memory-mapped and loaded with `weights_only`, so the optimizer state next to the weights is not read.
+    """
+    path = Path(ckpt_dir) / f"{role}.pt"
+    if not path.is_file():
+        found = sorted(p.name for p in Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []
+        raise FileNotFoundError(f"{path} not found (folder holds {found}): not an RL checkpoint with a {role!r} "
+                                "model; pass a checkpoint saved by the RL stage")
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model"]
+
+
 _PEFT_PREFIX = re.compile(r"^(lm\.)?(base_model\.model\.)?")
 
 

@@ -1,12 +1,16 @@
 """The post-training flow end to end through Prefect (a temporary local Prefect server), on a tiny config:
-a first run executes every stage, a second identical run is all cache hits, and bad inputs fail cleanly."""
+a first run executes every stage (data prep -> base -> SFT -> RL -> merge -> evaluate base/SFT/RL) and
+publishes the comparison (evals table, Prefect table + markdown artifacts), a second identical run is all
+cache hits, and bad inputs fail cleanly. Evaluation uses the hf engine here (vLLM's is covered by
+test_evaluate.py and, through the flow, by test_resume.py)."""
 
 import json
 
 import pytest
 
 from infra.config import ConfigError
-from infra.store import ArtifactStore, StoreError
+from infra.sql import query
+from infra.store import ArtifactRef, ArtifactStore, StoreError
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
@@ -19,35 +23,66 @@ def post_train():
     return post_train
 
 
+RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.rollout.engine=hf",
+      "rl.actor.ppo_mini_batch_size=4", "rl.test_freq=0", "rl.val_before_train=false", "rl.reward.num_workers=1",
+      "ray.num_cpus=2", "data.max_response_length=24", "evaluate.engine=hf"]
+STAGES = ["data-prep", "base-model", "sft", "rl", "merge", "evaluate-base", "evaluate-sft", "evaluate-rl"]
+
+
 def _overrides(tmp_path, *extra):
     return TINY_OVERRIDES + [f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}",
                              "tracking.backends=[jsonl]", *extra]
 
 
 def test_flow_runs_then_hits_the_cache(post_train, tmp_path):
-    first = post_train(None, _overrides(tmp_path))
-    assert set(first["stages"].values()) == {"Completed"}
+    first = post_train(None, _overrides(tmp_path, *RL))
+    assert first["stages"] == {k: "Completed" for k in STAGES}
     acc = first["results"]["sft"]["acc"]
     assert 0.0 <= acc <= 1.0
+    assert {r["engine"] for r in first["results"].values()} == {"hf"}
 
-    second = post_train(None, _overrides(tmp_path))
-    assert second["stages"] == {k: "Cached" for k in first["stages"]}
-    assert second["results"]["sft"]["acc"] == acc
+    second = post_train(None, _overrides(tmp_path, *RL))
+    assert second["stages"] == {k: "Cached" for k in STAGES}
+    assert second["results"] == first["results"]
 
     # An unrelated section's change re-runs only what reads it.
-    third = post_train(None, _overrides(tmp_path, "evaluate.max_samples=8"))
-    assert third["stages"]["sft"] == "Cached" and third["stages"]["data-prep"] == "Cached"
-    assert third["stages"]["evaluate-sft"] == "Completed"
+    third = post_train(None, _overrides(tmp_path, *RL, "evaluate.max_samples=8"))
+    assert {k for k, v in third["stages"].items() if v == "Completed"} == {"evaluate-base", "evaluate-sft",
+                                                                           "evaluate-rl"}
 
     store = ArtifactStore(str(tmp_path / "store"))
     [sft] = store.versions("model", "sft")
     assert sft.inputs["dataset"].startswith("dataset/synthetic@") and sft.config_hash
+    # RL hands its final checkpoint to merge; the merged model, not a copy made by RL, is what was evaluated.
+    [rl] = store.versions("model", "rl")
+    checkpoint = store.manifest(ArtifactRef.parse(rl.inputs["checkpoint"]))
+    assert checkpoint.kind == "checkpoint" and checkpoint.metadata["step"] == 2
+    assert checkpoint.metadata["model_config"]["lora"] is None
+    assert rl.inputs["base_model"] == str(sft.ref) == checkpoint.inputs["init_model"]
+    assert first["results"]["rl"]["model"] == str(rl.ref)
+    _check_published(tmp_path, first)
     run_dir = tmp_path / "out" / "runs" / first["run_id"]
     assert (run_dir / "config.yaml").read_text().count("storage:") == 1
     metrics = [json.loads(line) for line in (run_dir / f"{first['run_id']}-sft.metrics.jsonl").open()]
     assert {"train/loss", "train/lr", "train/grad_norm"} <= set(metrics[0])
     assert "val/loss" in metrics[-1]
     assert store.glob(f"runs/{first['run_id']}/config.yaml")
+
+
+def _check_published(tmp_path, run: dict) -> None:
+    """The run's comparison is in the evals view and in Prefect's table and markdown artifacts."""
+    from prefect.artifacts import Artifact
+
+    rows = query(str(tmp_path / "store"), "SELECT label, metric, value, model, engine FROM evals WHERE run_id = "
+                                          f"'{run['run_id']}' AND data_source = 'all' ORDER BY label")
+    assert rows == [{"label": label, "metric": "acc", "value": run["results"][label]["acc"],
+                     "model": run["results"][label]["model"], "engine": "hf"} for label in ("base", "rl", "sft")]
+    assert len(query(str(tmp_path / "store"), "SELECT DISTINCT run_id FROM evals")) == 3  # one per flow run
+    table = json.loads(Artifact.get("post-train-evals").data)
+    overall = next(r for r in table if r["data_source"] == "all" and r["metric"] == "acc")
+    assert set(overall) == {"data_source", "metric", "base", "sft", "rl"}
+    markdown = Artifact.get("post-train-evals-report").data
+    assert "| data_source | metric | base | sft | rl |" in markdown and run["results"]["rl"]["model"] in markdown
 
 
 def test_bad_config_fails_before_any_stage(post_train, tmp_path):

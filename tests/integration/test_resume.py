@@ -1,6 +1,7 @@
 """Kill the whole flow process (SIGKILL) during RL, rerun the same command: finished stages are cache
-hits, RL resumes from its last checkpoint with the same data and learning rate, and the store holds
-each completed step's trajectories exactly once and no partial artifact."""
+hits, RL resumes from its last checkpoint with the same data and learning rate, the store holds each
+completed step's trajectories exactly once and no partial artifact, and the flow goes on to merge the final
+checkpoint and evaluate base, SFT and RL (with the default engine: vLLM here)."""
 
 import os
 import signal
@@ -62,6 +63,7 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     assert second.returncode == 0, output
     assert "data-prep cached" in output and "sft cached" in output, output[-3000:]
     assert "rl: resumed at step 2" in output
+    assert "rl completed, merge completed, evaluate-base completed" in output, output[-3000:]
 
     root = str(tmp_path / "store")
     counts = query(root, "SELECT step, count(*) AS n, count(DISTINCT group_id) AS groups FROM rollouts "
@@ -91,4 +93,9 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
         for manifest in store.versions(kind, name):
             folder = store.get_dir(manifest.ref)
             assert all((folder / f).stat().st_size == meta["size"] for f, meta in manifest.files.items())
-    assert len(store.versions("model", "rl")) == 1
+    [merged] = store.versions("model", "rl")  # made by merge from the final checkpoint
+    assert merged.inputs["checkpoint"].startswith("checkpoint/rl-") and merged.metadata["checkpoint_step"] == STEPS
+    evals = query(root, "SELECT label, engine, value FROM evals WHERE data_source = 'all' AND metric = 'acc' "
+                        "ORDER BY label")
+    assert [(r["label"], r["engine"]) for r in evals] == [("base", "vllm"), ("rl", "vllm"), ("sft", "vllm")]
+    assert all(0.0 <= r["value"] <= 1.0 for r in evals)

@@ -10,6 +10,7 @@ def test_more_than_one_worker_is_refused_with_the_reason():
         load_config(None, ["ray.num_devices_per_node=2"])
 
 
-def test_evaluation_engine_other_than_hf_is_refused():
-    with pytest.raises(ConfigError, match="evaluate.engine"):
-        load_config(None, ["evaluate.engine=vllm"])
+def test_unknown_evaluation_engine_is_refused_with_the_choices():
+    assert load_config(None, ["evaluate.engine=vllm"]).evaluate.engine == "vllm"
+    with pytest.raises(ConfigError, match=r"evaluate.engine = 'sglang'.*'auto', 'vllm' or 'hf'"):
+        load_config(None, ["evaluate.engine=sglang"])

@@ -1,0 +1,295 @@
+"""The merge stage for real: a short RL run (Ray worker, FSDP2 actor) checkpoints into a store; the merged
+folder loads in transformers with the same logprobs and entropy as the live worker's FSDP model, with and
+without LoRA; the command line merges any checkpoint of the store; vLLM serves the merged folder with the
+same greedy tokens as transformers (fp32). One Ray instance for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.checkpoints import StoreCheckpoints
+from infra.config import RayConfig, load_config
+from infra.store import ArtifactStore
+from infra.trajectories import RunTables
+from infra.tracking import Tracker
+from stages.batch import build_batch
+from stages.merge import (
+    checkpoint_metadata,
+    hf_state,
+    merge_checkpoint,
+    merge_source,
+    read_model_state,
+    resolve_checkpoint,
+    store_merged,
+)
+from tests.conftest import TINY_OVERRIDES
+
+pytestmark = pytest.mark.slow
+PROJECT = Path(__file__).resolve().parents[2]
+RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.rollout.engine=hf",
+      "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.test_freq=0", "rl.save_freq=0",
+      "rl.val_before_train=false", "rl.reward.num_workers=1", "data.max_response_length=16"]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rl.actor.lr=2e-2"]
+ATOL = 2e-5  # fp32: the same weights through FSDP2 and through plain transformers
+# A random model never solves the arithmetic, so every GRPO advantage would be 0 and nothing would change; this
+# reward varies within groups (about half the samples earn it), so two steps move the weights.
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str) % 2)
+'''
+
+
+def spread_model(src: Path, out: Path, std: float = 0.15) -> Path:
+    """A copy of a tiny model with 2-D weights drawn wider than the 0.02 init, so that greedy decoding does not
+    repeat one token and argmax margins are not near-ties (engines differing by 1e-6 then agree)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, std)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import ray
+
+    from stages.workers.group import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def init_model(tiny_model_dir, tmp_path_factory) -> Path:
+    return spread_model(tiny_model_dir, tmp_path_factory.mktemp("merge-init"))
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_data_dir, init_model):
+    """Prompts from the held-out split with arbitrary (seeded) responses of different lengths: teacher-forced
+    logprobs and entropy at every response position compare whole output distributions."""
+    from stages.data_prep import load_prompts
+    from stages.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(init_model)
+    prompts = load_prompts(tiny_data_dir / "validation.parquet", tokenizer, load_config(None, TINY_OVERRIDES).data)
+    gen = torch.Generator().manual_seed(0)
+    responses = [torch.randint(0, len(tokenizer), (length,), generator=gen).tolist() for length in (5, 12, 1, 9)]
+    return prompts.prompt_ids[:4], responses, tokenizer.pad_token_id
+
+
+class Trained:
+    """A finished RL run: its store, its final checkpoint, and what its live worker computed on the probe."""
+
+    def __init__(self, store: ArtifactStore, name: str, worker_logprobs: tuple[torch.Tensor, torch.Tensor],
+                 eos_token_id: int):
+        self.store, self.name, self.eos_token_id = store, name, eos_token_id
+        self.worker_logprobs = worker_logprobs  # (logprobs, entropy), (B, R), from the FSDP-sharded actor
+        self.checkpoint = StoreCheckpoints(store, name, 1).latest_ref()
+
+
+def _train(tiny_data_dir, init_model, tmp_path_factory, probe, name: str, *overrides) -> Trained:
+    """RL for two steps (the last one checkpointed), then the worker's logprobs on the probe; the worker is
+    stopped before returning, so that the module's runs do not hold Ray's CPUs at the same time."""
+    from stages.rl import RLTrainer
+
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "reward.py").write_text(REWARD)
+    cfg = load_config(None, TINY_OVERRIDES + RL + [f"rl.reward.custom_path={folder / 'reward.py'}", *overrides])
+    store = ArtifactStore(str(folder / "store"))
+    checkpoints = StoreCheckpoints(store, name, 1, {"init_model": str(init_model)}, checkpoint_metadata(cfg.model))
+    trainer = RLTrainer(cfg, str(init_model), tiny_data_dir, checkpoints, RunTables(store, name), Tracker([]))
+    try:
+        trainer.fit()
+        prompts, responses, pad = probe
+        batch = build_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad)
+        worker = trainer.actor.call_one("compute_logprobs", batch, "actor", True)
+    finally:
+        trainer.close()
+    return Trained(store, name, worker, trainer.tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_data_dir, init_model, tmp_path_factory, probe):
+    return _train(tiny_data_dir, init_model, tmp_path_factory, probe, "rl-full")
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_data_dir, init_model, tmp_path_factory, probe):
+    return _train(tiny_data_dir, init_model, tmp_path_factory, probe, "rl-lora", *LORA)
+
+
+@torch.no_grad()
+def hf_logprobs(model_dir: Path, probe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per row: log softmax(logits) of each response token and the entropy there, from transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logprobs, entropies = [], []
+    for prompt, response in zip(*probe[:2]):
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()  # (R, V)
+        logp = torch.log_softmax(logits, dim=-1)
+        logprobs.append(logp.gather(-1, torch.tensor(response)[:, None])[:, 0])
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return logprobs, entropies
+
+
+def assert_same_model(trained: Trained, merged: Path, probe, init_model: Path) -> None:
+    worker_lp, worker_ent = trained.worker_logprobs
+    merged_lp, merged_ent = hf_logprobs(merged, probe)
+    init_lp, _ = hf_logprobs(init_model, probe)
+    for row, response in enumerate(probe[1]):
+        r = len(response)
+        torch.testing.assert_close(merged_lp[row], worker_lp[row, :r], rtol=0, atol=ATOL)
+        torch.testing.assert_close(merged_ent[row], worker_ent[row, :r], rtol=0, atol=ATOL)
+    change = max((merged_lp[i] - init_lp[i]).abs().max().item() for i in range(len(probe[1])))
+    assert change > 100 * ATOL, f"RL did not change the model (max logprob change {change:.2e}): the test proves nothing"
+
+
+def test_merged_full_model_equals_the_worker(full, probe, init_model, tmp_path):
+    source = merge_source(full.store, full.checkpoint)
+    assert source.base_model == str(init_model) and source.step == 2 and source.lora_alpha is None
+    result = merge_checkpoint(source, tmp_path / "merged")
+    assert result.lora_rank is None and result.dtype == "float32"
+    assert_same_model(full, tmp_path / "merged", probe, init_model)
+    files = {p.name for p in (tmp_path / "merged").iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= files
+    from transformers import AutoTokenizer, GenerationConfig
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template is not None
+    assert GenerationConfig.from_pretrained(tmp_path / "merged").eos_token_id == \
+        GenerationConfig.from_pretrained(init_model).eos_token_id
+
+
+def test_merged_lora_model_equals_the_worker(lora, probe, init_model, tmp_path):
+    source = merge_source(lora.store, lora.checkpoint)
+    assert source.lora_alpha == 8.0  # from the checkpoint manifest's model config
+    result = merge_checkpoint(source, tmp_path / "merged")
+    assert result.lora_rank == 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
+        assert not [k for k in f.keys() if "lora" in k or "base_layer" in k]  # plain HF names
+    assert_same_model(lora, tmp_path / "merged", probe, init_model)
+
+
+def test_lora_checkpoint_without_alpha_is_refused(lora):
+    state = read_model_state(lora.store.get_dir(lora.checkpoint))
+    with pytest.raises(ValueError, match="--lora-alpha"):
+        hf_state(state, None)
+
+
+def test_wrong_base_model_is_refused(full, tiny_config, tiny_data_dir, tmp_path):
+    from stages.data_prep import corpus_texts
+    from stages.model.tiny import build_tiny_model
+
+    other = build_tiny_model(tiny_config.model.tiny.model_copy(update={"num_layers": 1}), corpus_texts(tiny_data_dir),
+                             0, tmp_path / "other")
+    source = merge_source(full.store, full.checkpoint, base_model=str(other))
+    with pytest.raises(ValueError, match=r"do not match the base model.*unexpected=\['model.layers.1"):
+        merge_checkpoint(source, tmp_path / "merged")
+
+
+def test_unknown_checkpoint_lists_the_known_ones(full):
+    with pytest.raises(ValueError, match=r"no checkpoint named 'rl-nope'.*known: \['rl-full'\]"):
+        resolve_checkpoint(full.store, "rl-nope")
+    with pytest.raises(ValueError, match=r"--step 7: checkpoint 'rl-full' has steps \[2\]"):
+        resolve_checkpoint(full.store, "rl-full", step=7)
+
+
+def test_command_line_merges_a_checkpoint_into_a_folder_and_the_store(full, probe, init_model, tmp_path):
+    out = tmp_path / "cli-merged"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.merge", "--root", full.store.root, "--checkpoint", full.name, "--out", str(out),
+         "--name", "rl-merged"], cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["checkpoint"] == str(full.checkpoint) and report["out"] == str(out)
+    [manifest] = full.store.versions("model", "rl-merged")
+    assert str(manifest.ref) == report["model"]
+    assert manifest.inputs == {"checkpoint": str(full.checkpoint), "base_model": str(init_model)}
+    assert manifest.metadata["checkpoint_step"] == 2
+    assert_same_model(full, out, probe, init_model)
+    # the stored version holds the same files as the folder
+    stored = full.store.get_dir(manifest.ref)
+    assert (stored / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+    again = subprocess.run([sys.executable, "-m", "stages.merge", "--root", full.store.root, "--checkpoint",
+                            full.name, "--out", str(out)], cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "not an empty folder" in again.stderr
+
+
+def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp_path):
+    """An intermediate SFT checkpoint (plain torch state with peft names) merges to what peft's own
+    merge_and_unload makes of the same state."""
+    from stages.model.loading import load_model
+    from stages.sft import CHECKPOINT_FILE, run_sft
+
+    cfg = load_config(None, TINY_OVERRIDES + ["model.lora.rank=4", "model.lora.alpha=8", "sft.optim.lr=1e-2",
+                                              "sft.save_freq=4"])  # 8 steps: a checkpoint at step 4
+    store = ArtifactStore(str(tmp_path / "store"))
+    checkpoints = StoreCheckpoints(store, "sft-test", 2, {"base_model": str(tiny_model_dir)},
+                                   checkpoint_metadata(cfg.model))
+    run_sft(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "final", checkpoints, Tracker([]))
+    ref = resolve_checkpoint(store, "sft-test")
+    source = merge_source(store, ref)
+    assert source.step == 4 and source.base_model == str(tiny_model_dir) and source.lora_alpha == 8.0
+    merged = merge_checkpoint(source, tmp_path / "merged")
+    assert merged.lora_rank == 4
+
+    from transformers import AutoModelForCausalLM
+
+    peft_model = load_model(tiny_model_dir, cfg.model)  # the same peft wrapping SFT trained
+    peft_model.load_state_dict(torch.load(store.get_dir(ref) / CHECKPOINT_FILE, weights_only=True)["model"])
+    reference = peft_model.merge_and_unload().eval()
+    ours = AutoModelForCausalLM.from_pretrained(merged.out_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected, before = ours(ids).logits, reference(ids).logits, base(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert (logits - before).abs().max() > 1e-2  # the adapters were trained and merged
+
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_serves_the_merged_folder_like_transformers(full, probe, tmp_path):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from stages.rollout.base import SamplingParams
+    from stages.rollout.hf import HFRolloutEngine
+    from stages.rollout.vllm_engine import VLLMRolloutEngine
+
+    source = merge_source(full.store, full.checkpoint)
+    merged = merge_checkpoint(source, tmp_path / "merged").out_dir
+    prompts, _, pad = probe
+    eos = full.eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(eos,))
+    engine = ray.remote(num_cpus=1)(VLLMRolloutEngine).remote(str(merged), dtype="float32", seed=0, max_model_len=256)
+    try:
+        served = ray.get(engine.generate.remote(prompts, params))
+    finally:
+        ray.kill(engine)
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    reference = HFRolloutEngine(model, pad, eos).generate(prompts, params)
+    assert [o.response_ids for o in served] == [o.response_ids for o in reference]
+    assert len({tuple(o.response_ids) for o in reference}) > 1, "degenerate model: one response for every prompt"
+    for o, r in zip(served, reference):
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), rtol=0, atol=1e-4)
