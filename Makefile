@@ -33,3 +33,11 @@ test: venv
 
 clean:
 	rm -rf outputs
+
+# A persistent local Ray head for runs with ray.address=... (infra/cluster.py); `make ray-up ARGS="--port 6380"`.
+.PHONY: ray-up ray-down
+ray-up: venv
+	$(PY) -m infra.cluster up $(ARGS)
+
+ray-down:
+	$(PY) -m infra.cluster down
