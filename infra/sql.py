@@ -44,14 +44,15 @@ from urllib.parse import urlsplit
 import duckdb
 
 from infra.store import ArtifactStore, StoreError
-from infra.trajectories import PART, STEP_TABLES
+from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES
 
 logger = logging.getLogger(__name__)
 
 # table -> (partition column, its DuckDB type)
 VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("label", "VARCHAR")}
-# Columns of an empty view besides run_id and the partition column (metrics has a fixed schema).
-EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}}
+# Columns of an empty view besides run_id and the partition column (metrics and the pipeline's evals have a
+# fixed schema).
+EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS}
 FORMATS = ("table", "csv", "json")
 
 

@@ -29,6 +29,12 @@ from infra.store import ArtifactStore
 logger = logging.getLogger(__name__)
 
 STEP_TABLES = ("rollouts", "metrics", "validation")
+# The pipeline's evaluation rows (stages/evaluate.py `eval_rows`: one per model label x data_source x metric) and
+# their DuckDB types; also the columns of an empty `evals` view, so that a query over a store without
+# evaluations returns no rows instead of failing on a missing column.
+EVAL_COLUMNS = {"model": "VARCHAR", "eval": "VARCHAR", "dataset": "VARCHAR", "split": "VARCHAR", "engine": "VARCHAR",
+                "data_source": "VARCHAR", "metric": "VARCHAR", "value": "DOUBLE", "num_prompts": "BIGINT",
+                "time": "TIMESTAMPTZ"}
 TABLES = (*STEP_TABLES, "evals")
 PART = "part-0.parquet"
 PARTITION_COLUMNS = ("run_id", "step", "label")
@@ -115,7 +121,9 @@ class RunTables:
         self._write(partition_dir("validation", self.run_id, step=step), rows)
 
     def write_evals(self, label: str, rows: list[dict]) -> None:
-        """Evaluation results of a model, keyed by label (e.g. 'step-100', 'final') instead of a step."""
+        """Evaluation results of a model, keyed by label (e.g. 'base', 'rl', 'step-100') instead of a step.
+
+        The pipeline writes `EVAL_COLUMNS` rows under the flow run's id; other columns are allowed too."""
         self._write(partition_dir("evals", self.run_id, label=label), rows)
 
     def steps(self, table: str) -> list[int]:

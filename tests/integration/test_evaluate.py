@@ -11,7 +11,7 @@ import pytest
 from infra.config import RayConfig, load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
+from infra.trajectories import EVAL_COLUMNS, RunTables
 from stages.evaluate import ALL, comparison_markdown, comparison_rows, eval_rows, evaluate_model, summary
 from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_merge import spread_model
@@ -105,11 +105,13 @@ def test_results_reach_the_evals_view_and_the_comparison(vllm_result, hf_result,
                                "eval/base@0123456789abcdef"),
                "rl": summary(vllm_result, "rl", "model/rl@0123456789abcdef", "dataset/d@0123456789abcdef",
                              "eval/rl@0123456789abcdef")}
+    columns = "run_id, label, model, engine, data_source, metric, value, num_prompts"
+    assert query(str(tmp_path / "store"), f"SELECT {columns} FROM evals") == []  # no evaluations yet: no rows
     tables = RunTables(store, "demo-run")
     for label, record in records.items():
+        assert set(eval_rows(record)[0]) | {"time"} == set(EVAL_COLUMNS)  # the schema the empty view declares
         tables.write_evals(label, eval_rows(record))
-    rows = query(str(tmp_path / "store"), "SELECT run_id, label, model, engine, data_source, metric, value, "
-                                          "num_prompts FROM evals ORDER BY label, data_source, metric")
+    rows = query(str(tmp_path / "store"), f"SELECT {columns} FROM evals ORDER BY label, data_source, metric")
     assert len(rows) == 2 + 8  # base: acc for the source and all; rl: acc + mean/best/maj@4, twice
     assert {(r["label"], r["engine"], r["model"]) for r in rows} == {
         ("base", "hf", "model/base@0123456789abcdef"), ("rl", "vllm", "model/rl@0123456789abcdef")}
