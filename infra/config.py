@@ -188,19 +188,19 @@ class TrackingConfig(Section):
 
 
 class RayConfig(Section):
+    """Where the RL workers run: N = num_devices_per_node * num_nodes colocated workers, one per device.
+
+    Multi-node: start Ray on every node (`ray start --head` on one, `ray start --address=HEAD:6379` on the
+    others) and set `address` (e.g. 'auto' on a node of the cluster); checkpoints are then staged in a
+    folder every node must see (a shared file system).
+    """
+
     address: str | None = Field(None, description="Attach to this cluster ('auto', 'host:port'); None: local.")
     num_cpus: int | None = Field(None, gt=0, description="CPUs of a local cluster (None: all).")
-    num_devices_per_node: int = Field(1, gt=0, description="Workers (GPUs or CPU slots) per node.")
-    num_nodes: int = Field(1, gt=0)
-
-    @model_validator(mode="after")
-    def _one_worker(self) -> RayConfig:
-        if self.num_devices_per_node * self.num_nodes != 1:
-            raise ValueError(
-                f"num_devices_per_node={self.num_devices_per_node}, num_nodes={self.num_nodes}: training runs on "
-                "one worker for now; set both to 1 (multi-worker FSDP is not implemented yet)"
-            )
-        return self
+    num_devices_per_node: int = Field(
+        1, gt=0, description="Workers per node: GPUs, or CPU slots on CPU machines (each takes 1 Ray CPU)."
+    )
+    num_nodes: int = Field(1, gt=0, description="Nodes the workers span (PACK placement; 1: STRICT_PACK).")
 
 
 class Config(Section):
@@ -215,6 +215,19 @@ class Config(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _workers_share_mini_batches(self) -> Config:
+        """Every worker trains on an equal share of every mini-batch (so the loss is the same at any N)."""
+        ray, actor = self.ray, self.rl.actor
+        workers, rows = ray.num_devices_per_node * ray.num_nodes, actor.ppo_mini_batch_size * self.rl.rollout.n
+        if self.rl.enabled and rows % workers:
+            raise ValueError(
+                f"rl.actor.ppo_mini_batch_size * rl.rollout.n = {actor.ppo_mini_batch_size} * {self.rl.rollout.n} "
+                f"= {rows} samples per mini-batch must be divisible by the number of workers, "
+                f"ray.num_devices_per_node * ray.num_nodes = {ray.num_devices_per_node} * {ray.num_nodes} = {workers}"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,6 +3,12 @@
 Rows are samples (prompt x n). Tensors follow verl's layout: a left-padded prompt of P tokens followed
 by a right-padded response of R tokens (see stages/model/policy.py). Tensors computed later in the step
 (old/ref logprobs, values, rewards, advantages) are added to `tensors` under their verl names.
+
+Dispatch to N workers: every mini-batch (`mini_rows` consecutive rows, one optimizer step) is cut into N
+equal consecutive parts and rank r gets part r of each (`rank_rows`), so rank r's local mini-batch k is
+exactly its share of the global mini-batch k, and the mini-batches are the same sets of samples at any N.
+`balance_batch` reorders rows inside each mini-batch (never across: the optimizer steps see the same
+samples) so the N parts have similar token counts, as verl's `balance_batch` does for the whole batch.
 """
 
 from __future__ import annotations
@@ -71,3 +77,62 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     out[torch.arange(len(scores)), last] = scores.float()
     return out
 
+
+
+def rank_rows(num_rows: int, num_ranks: int, mini_rows: int) -> list[list[int]]:
+    """Rows of each rank: part r of every consecutive chunk of `mini_rows` rows (parts differ by <= 1 row)."""
+    shards: list[list[int]] = [[] for _ in range(num_ranks)]
+    for start in range(0, num_rows, mini_rows):
+        chunk = list(range(start, min(start + mini_rows, num_rows)))
+        size, extra = divmod(len(chunk), num_ranks)
+        offset = 0
+        for r in range(num_ranks):
+            take = size + (r < extra)
+            shards[r].extend(chunk[offset : offset + take])
+            offset += take
+    return shards
+
+
+def gather_rows(parts: list[torch.Tensor], shards: list[list[int]]) -> torch.Tensor:
+    """Inverse of `rank_rows`: per-rank row tensors back into one tensor in the batch's row order."""
+    index = torch.tensor([row for shard in shards for row in shard], dtype=torch.long)
+    stacked = torch.cat(parts)
+    out = torch.empty_like(stacked)
+    out[index] = stacked
+    return out
+
+
+def balance_batch(batch: Batch, num_ranks: int, mini_rows: int) -> tuple[Batch, dict[str, float]]:
+    """Reorder rows inside each mini-batch so its `num_ranks` parts (see `rank_rows`) hold similar numbers of
+    tokens (greedy: longest row first, to the rank with the fewest tokens so far that has room). Per-row
+    tensors and metadata (group ids included) move with their rows, so group statistics are unchanged.
+    Metrics: tokens per rank before and after."""
+    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    before = _rank_tokens(lengths, rank_rows(len(batch), num_ranks, mini_rows))
+    if num_ranks == 1:
+        return batch, _seqlen_metrics(before, before)
+    order: list[int] = []
+    totals = [0] * num_ranks  # tokens so far per rank: also balances the whole batch, not only each mini-batch
+    for start in range(0, len(batch), mini_rows):
+        rows = list(range(start, min(start + mini_rows, len(batch))))
+        sizes = [len(shard) for shard in rank_rows(len(rows), num_ranks, len(rows))]
+        parts: list[list[int]] = [[] for _ in range(num_ranks)]
+        for row in sorted(rows, key=lambda i: (-lengths[i], i)):
+            k = min((k for k in range(num_ranks) if len(parts[k]) < sizes[k]), key=lambda k: (totals[k], k))
+            parts[k].append(row)
+            totals[k] += lengths[row]
+        order.extend(row for part in parts for row in sorted(part))
+    balanced = batch.select(order)
+    after = _rank_tokens([lengths[i] for i in order], rank_rows(len(batch), num_ranks, mini_rows))
+    return balanced, _seqlen_metrics(before, after)
+
+
+def _rank_tokens(lengths: list[int], shards: list[list[int]]) -> list[int]:
+    return [sum(lengths[i] for i in shard) for shard in shards]
+
+
+def _seqlen_metrics(before: list[int], after: list[int]) -> dict[str, float]:
+    """verl's names: tokens per rank without balancing (min/max) and with it (balanced_min/max)."""
+    return {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
+            "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(after),
+            "global_seqlen/balanced_max": max(after), "global_seqlen/mean": sum(after) / len(after)}

@@ -6,9 +6,13 @@ rewards) -> old/ref logprobs and values -> advantages on the driver (stages/core
 and actor updates -> weight sync into the engine, checked against the trainer -> metrics and
 trajectories to the store -> validation every `test_freq`, checkpoint every `save_freq`.
 
-The driver holds no model. Resume: the latest checkpoint restores actor/critic/optimizer/scheduler
-state, the KL controller and RNG; prompts are a function of the step number, and trajectory partitions
-written after that checkpoint are removed, so the resumed run continues exactly, without duplicates.
+The driver holds no model. With N workers (`ray.num_devices_per_node * ray.num_nodes`) it balances each
+mini-batch's tokens across them, sends rank r its share (stages/batch.py `rank_rows`), and gathers per-row
+results back; prompts are split across the workers' engines for generation.
+
+Resume: the latest checkpoint restores actor/critic/optimizer/scheduler state, the KL controller and RNG;
+prompts are a function of the step number, and trajectory partitions written after that checkpoint are
+removed, so the resumed run continues exactly, without duplicates.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import random
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,19 +31,19 @@ import torch
 from infra.config import Config
 from infra.trajectories import RunTables
 from infra.tracking import Tracker, progress_bar
-from stages.batch import Batch, token_level_scores
+from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.rewards.overlong import overlong_penalty
 from stages.rewards.pool import RewardPool, RewardRequest
 from stages.rl_data import PromptSampler, concat_batches, data_metrics, rollout_batch, trajectory_rows
-from stages.rollout.base import SamplingParams
+from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
 from stages.validation import group_metrics
 from stages.workers.actor_rollout import ActorRolloutWorker
 from stages.workers.critic import CriticWorker
-from stages.workers.group import WorkerGroup, init_ray
+from stages.workers.group import Placement, WorkerGroup, init_ray
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +94,16 @@ class RLTrainer:
         self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data)
         self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data)
         self.sampler = PromptSampler(len(self.train), self.rl.train_batch_size, cfg.run.seed)
-        self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir)
-        self.critic = WorkerGroup(CriticWorker, cfg, model_dir) if self.rl.uses_critic else None
+        self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
+        self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
+        self.placement, self.actor, self.critic = None, None, None
+        try:
+            self.placement = Placement(cfg.ray, num_roles=2 if self.rl.uses_critic else 1)
+            self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir, self.placement)
+            self.critic = WorkerGroup(CriticWorker, cfg, model_dir, self.placement) if self.rl.uses_critic else None
+        except BaseException:
+            self._release_workers()  # a persistent cluster must not keep a half-made group's resources
+            raise
         self.rewards = RewardPool(self.rl.reward)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
@@ -128,23 +140,26 @@ class RLTrainer:
         with timer("step"):
             with timer("gen"):
                 batch, metrics = self.generate_and_score(step, timer)
+            batch, seqlen_metrics = balance_batch(batch, self.world_size, self.mini_rows)
+            metrics.update(seqlen_metrics)
             with timer("old_log_prob"):
-                batch.tensors["old_logprobs"], batch.tensors["entropy"] = self.actor.call_one(
-                    "compute_logprobs", batch, "actor", True)
+                batch.tensors["old_logprobs"], batch.tensors["entropy"] = self.actor.map_rows(
+                    "compute_logprobs", batch, self.mini_rows, "actor", True)
             if self.rl.uses_reference:
                 with timer("ref"):
-                    batch.tensors["ref_logprobs"], _ = self.actor.call_one("compute_logprobs", batch, "ref")
+                    batch.tensors["ref_logprobs"], _ = self.actor.map_rows("compute_logprobs", batch, self.mini_rows,
+                                                                           "ref")
             if self.critic:
                 with timer("values"):
-                    batch.tensors["values"] = self.critic.call_one("compute_values", batch)
+                    batch.tensors["values"] = self.critic.map_rows("compute_values", batch, self.mini_rows)
             with timer("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic:
                 with timer("update_critic"):
-                    metrics.update(self.critic.call_one("update", batch))
+                    metrics.update(self.critic.split_call("update", batch, self.mini_rows))
             if step > self.rl.critic.warmup_steps_before_actor:
                 with timer("update_actor"):
-                    metrics.update(self.actor.call_one("update_actor", batch))
+                    metrics.update(self.actor.split_call("update_actor", batch, self.mini_rows))
             with timer("sync"):
                 metrics.update(self.actor.call_one("sync_weights", self._check_prompts()))
         metrics.update(self.step_metrics(batch, timer))
@@ -180,7 +195,7 @@ class RLTrainer:
         params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                 max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
-        outputs = self.actor.call_one("generate", [self.train.prompt_ids[i] for i in indices], params)
+        outputs = self.rollout([self.train.prompt_ids[i] for i in indices], params)
         texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
         batch = rollout_batch(self.train, indices, outputs, texts, group_prefix, self.tokenizer.pad_token_id)
         with timer("reward"):
@@ -188,6 +203,15 @@ class RLTrainer:
             if self.rl.algorithm.adv_estimator == "remax":
                 batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
         return batch
+
+    def rollout(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        """Data-parallel generation: rank r's engine samples its consecutive share of the prompts (with its
+        own seed); outputs come back prompt-major with indices into `prompt_ids`."""
+        shards = rank_rows(len(prompt_ids), self.world_size, max(1, len(prompt_ids)))
+        seeds = [None if params.seed is None else params.seed + 1_000_003 * rank for rank in range(self.world_size)]
+        results = self.actor.call_each("generate", [([prompt_ids[i] for i in rows], replace(params, seed=seed))
+                                                    for rows, seed in zip(shards, seeds)])
+        return [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
 
     def score(self, batch: Batch) -> None:
         reward = self.rl.reward
@@ -210,7 +234,7 @@ class RLTrainer:
         """ReMax: each sample's baseline is the score of its prompt's greedy response."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,))
-        outputs = self.actor.call_one("generate", [self.train.prompt_ids[i] for i in indices], params)
+        outputs = self.rollout([self.train.prompt_ids[i] for i in indices], params)
         requests = [RewardRequest(self.train.data_sources[indices[o.prompt_index]],
                                   self.tokenizer.decode(o.response_ids, skip_special_tokens=True),
                                   self.train.ground_truths[indices[o.prompt_index]],
@@ -272,7 +296,7 @@ class RLTrainer:
                                 max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
         start = time.perf_counter()
-        outputs = self.actor.call_one("generate", self.val.prompt_ids[:num], params)
+        outputs = self.rollout(self.val.prompt_ids[:num], params)
         texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
         i_of = [o.prompt_index for o in outputs]
         result = self.rewards.score([RewardRequest(self.val.data_sources[i], text, self.val.ground_truths[i],
@@ -339,6 +363,11 @@ class RLTrainer:
 
     def close(self) -> None:
         self.rewards.close()
+        self._release_workers()
+
+    def _release_workers(self) -> None:
         for group in (self.actor, self.critic):
             if group:
                 group.kill()
+        if self.placement:
+            self.placement.remove()

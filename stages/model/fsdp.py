@@ -1,18 +1,32 @@
-"""FSDP2 wrapping, full state dicts and LoRA merging for the RL workers.
+"""FSDP2 for the RL workers: the process group, sharding, weight streaming to the engine, checkpoints.
 
-Every trained module is sharded with `fully_shard` (per decoder layer, then the root), even on one
-device, so one code path serves 1 or N workers. With vLLM in the same process, vLLM has already created
-the default process group (gloo, world size 1 on CPU); otherwise we create it here.
+N worker processes (one per device) form one torch.distributed world (gloo on CPU, nccl on GPU) that
+FSDP2 shards over; the worker group creates it *before* the in-process vLLM engine, which then joins it
+as an "external launcher" with tensor parallel size 1, so each engine generates on its own and keeps a
+world of one for itself (its tensor-parallel groups hold one rank each). Every trained module is sharded
+with `fully_shard` (per decoder layer, then the root), even at N = 1, so one code path serves any N.
+
+Gradients are *summed* over ranks, not averaged (FSDP2's default): each rank's loss is already divided
+by the global token/sequence counts of the mini-batch (stages/core `loss_denominators`, summed over
+ranks), so the sum is the gradient of the global loss, the same at any N.
+
+Checkpoints are torch.distributed.checkpoint (DCP) folders: each rank writes its shards of the weights
+and the optimizer state, rank 0 the metadata; they load back on the same N. `read_checkpoint_model_state`
+reads the full weights from such a folder in one process without a process group (the merge stage).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,26 +40,45 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from stages.model.policy import hf_parts
 
+PG_TIMEOUT = timedelta(minutes=30)  # a rank waits this long in a collective for a slower (generating) rank
 
-def ensure_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+
+def init_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                       master_port: int | None = None) -> None:
+    """Join the workers' world (gloo on CPU, nccl on GPU); `master_port` None: a free local port (world of
+    one). The env vars are also what vLLM's external-launcher mode reads (RANK, LOCAL_RANK): each worker
+    sees one device, so its local rank is 0."""
     if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"this process is already in a torch.distributed world of {dist.get_world_size()} "
+                               f"ranks, not {world_size}")
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port or 29500 + os.getpid() % 1000))
+    if master_port is None:
+        if world_size != 1:
+            raise ValueError(f"a world of {world_size} ranks needs the rendezvous master_port of rank 0")
+        with socket.socket() as sock:
+            sock.bind((master_addr, 0))
+            master_port = sock.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
 
 
 def shard(module: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """fully_shard each decoder layer, then the root (embeddings, norm, head and any value head)."""
+    """fully_shard each decoder layer, then the root (embeddings, norm, head and any value head); gradients
+    are summed over ranks (see the module docstring)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
     body, _ = hf_parts(module.lm)
-    for layer in body.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(module, **kwargs)
+    units = [*body.layers, module]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no AVG / PREMUL_SUM
     return module
 
 
@@ -53,33 +86,54 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU (every rank gets it with cpu_offload=False; rank 0 here)."""
+    """The unsharded state dict on CPU, on rank 0 (other ranks get an empty dict); a collective."""
     return get_model_state_dict(module, options=_FULL)
 
 
-def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return get_optimizer_state_dict(module, optimizer, options=_FULL)
+def iter_hf_weights(module: nn.Module, lora_scale: float | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs, gathered one decoder layer at a time (a collective: every rank iterates
+    in the same order), LoRA merged. No rank ever holds more than one layer of unsharded weights besides its
+    shards, so an engine on the same device fills itself without a second full copy of the model."""
+    state = module.state_dict()  # DTensor shards (no copy)
+    buckets: dict[str, list[str]] = {}
+    for key in state:
+        match = _LAYER.search(key)
+        buckets.setdefault(f"layer{match.group(1)}" if match else key, []).append(key)
+    for keys in buckets.values():
+        full = {k: _full_tensor(state[k]) for k in keys}
+        yield from hf_weights(full, lora_scale).items()
+        del full
 
 
-def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def save_train_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    """Full (unsharded) weights, optimizer and LR-scheduler state of one trained module, in one file."""
-    state = {"model": full_state_dict(module), "optimizer": optimizer_state(module, optimizer),
+# ---- checkpoints (DCP) ----------------------------------------------------------------------------
+
+
+def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Sharded weights and optimizer state (each rank its own shards) plus the LR scheduler, in a DCP folder.
+
+    A collective: every rank calls it with the same `folder` (on a file system all ranks see)."""
+    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer),
              "scheduler": scheduler.state_dict()}
-    torch.save(state, path)
+    dcp.save(state, checkpoint_id=str(folder))
 
 
-def load_train_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    state = torch.load(path, weights_only=False)
-    load_full_state_dict(module, state["model"])
-    load_optimizer_state(module, optimizer, state["optimizer"])
+def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Load what `save_train_state` wrote, resharded in place onto this world's shards."""
+    if not (Path(folder) / ".metadata").is_file():
+        raise FileNotFoundError(f"{folder} is not a sharded (DCP) checkpoint; it was written by an older version "
+                                "of the RL stage: start a new run (rl.resume_mode=disable)")
+    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer),
+             "scheduler": scheduler.state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(module, state["model"])
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
 
 
@@ -87,15 +141,21 @@ def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> di
     """The full (unsharded) model state dict of `role` ('actor' or 'critic') in an RL checkpoint folder, on
     CPU, read in one process without a process group (what the merge stage consolidates).
 
-    Keys are the trained module's (TokenLogprobs: `lm.` + HF or peft names; see `hf_weights`). The file is
-    memory-mapped and loaded with `weights_only`, so the optimizer state next to the weights is not read.
+    Keys are the trained module's (TokenLogprobs: `lm.` + HF or peft names; see `hf_weights`). Only the
+    weights are read from the role's DCP folder (written by any number of ranks), not the optimizer state.
     """
-    path = Path(ckpt_dir) / f"{role}.pt"
-    if not path.is_file():
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = Path(ckpt_dir) / role
+    if not (folder / ".metadata").is_file():
         found = sorted(p.name for p in Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []
-        raise FileNotFoundError(f"{path} not found (folder holds {found}): not an RL checkpoint with a {role!r} "
-                                "model; pass a checkpoint saved by the RL stage")
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model"]
+        raise FileNotFoundError(f"{folder}/.metadata not found (folder holds {found}): not an RL checkpoint with "
+                                f"a {role!r} model; pass a checkpoint saved by the RL stage")
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)),
+                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
 
 
 _PEFT_PREFIX = re.compile(r"^(lm\.)?(base_model\.model\.)?")
@@ -104,7 +164,8 @@ _PEFT_PREFIX = re.compile(r"^(lm\.)?(base_model\.model\.)?")
 def hf_weights(state: dict[str, torch.Tensor], lora_scale: float | None) -> dict[str, torch.Tensor]:
     """Plain HF parameter names -> tensors, with LoRA merged (W + scale * B @ A) when present.
 
-    `state` is a TokenLogprobs state dict: keys start with `lm.` and, with peft, `base_model.model.`.
+    `state` is a TokenLogprobs state dict (or any part of one holding whole LoRA modules): keys start with
+    `lm.` and, with peft, `base_model.model.`.
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():

@@ -6,6 +6,8 @@ Prompts are left-padded into batches of `batch_size`; each prompt's `n` samples 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 from transformers import PreTrainedModel
 
@@ -62,9 +64,20 @@ class HFRolloutEngine:
             for row in range(new_tokens.shape[0])
         ]
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
+    @torch.no_grad()
+    def update_weights(self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model, from a dict or a stream of (name, tensor) pairs (consumed one
+        at a time, so a stream gathered layer by layer never makes a second full copy)."""
+        targets = self.model.state_dict(keep_vars=True)
+        seen, unexpected = set(), []
+        for name, tensor in state.items() if isinstance(state, Mapping) else state:
+            if name in targets:
+                targets[name].copy_(tensor)
+                seen.add(name)
+            else:
+                unexpected.append(name)
+        missing = [k for k in targets if k not in seen and "lm_head" not in k]
+        if unexpected or missing:
             raise ValueError(f"weight sync mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
 
     def sleep(self) -> None:

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,7 +67,11 @@ class VLLMRolloutEngine:
     """An in-process vLLM engine behind the `RolloutEngine` interface."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 1024,
-                 enforce_eager: bool = True, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False):
+                 enforce_eager: bool = True, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
+                 external_launcher: bool = False):
+        """`external_launcher`: join the torch.distributed world this process already belongs to (RANK and
+        LOCAL_RANK set, as torchrun does) instead of creating one; with tensor parallel size 1 every rank's
+        engine then generates on its own (data-parallel rollout next to FSDP training in that world)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight sync and a shared gloo group
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to size it from NUMA
@@ -80,6 +85,8 @@ class VLLMRolloutEngine:
         # CPU: a seeded request whose prefill is split across scheduler steps fails ("CPU Generator does
         # not use offset"), so give the scheduler a budget large enough that prefills are never chunked.
         budget = {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_BATCHED_TOKENS}
+        if external_launcher:
+            budget["distributed_executor_backend"] = "external_launcher"
         with _without_proxy_modules():
             self.llm = vllm.LLM(
                 model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -111,13 +118,19 @@ class VLLMRolloutEngine:
                 outputs.append(_to_rollout_output(sample, prompt_index, stop_ids))
         return outputs
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) HF-named weights into the engine and drop the now stale prefix cache.
 
         Every tensor of the model's checkpoint must be present (a partial reload would leave layers
         half-processed); for tied embeddings `lm_head.weight` is added as a copy of the embedding,
-        without which vLLM's reloaded output head is wrong.
+        without which vLLM's reloaded output head is wrong. `state` may also be an iterable of (name,
+        tensor) pairs (e.g. gathered layer by layer from sharded parameters): it is consumed lazily by
+        vLLM's layer-wise reload, so the full model never exists twice; such a stream must include
+        `lm_head.weight` for tied models, and a name it lacks is an error after loading.
         """
+        if not isinstance(state, Mapping):
+            self._update_weights_stream(state)
+            return
         allowed = self._checkpoint_names | ({"lm_head.weight"} if self._tied else set())
         missing, unexpected = sorted(self._checkpoint_names - state.keys()), sorted(state.keys() - allowed)
         if missing or unexpected:
@@ -127,6 +140,24 @@ class VLLMRolloutEngine:
         blob = to_safetensors_bytes(state, tie_lm_head=self._tied)
         self.llm.collective_rpc("load_safetensors_weights", args=(blob,))
         self.llm.reset_prefix_cache()
+
+    def _update_weights_stream(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In-process only (a generator cannot cross to an engine subprocess)."""
+        expected = self._checkpoint_names | ({"lm_head.weight"} if self._tied else set())
+        seen: set[str] = set()
+
+        def checked():
+            for name, tensor in pairs:
+                if name not in expected:
+                    raise ValueError(f"update_weights: {name!r} is not a tensor of the checkpoint in {self.model_dir}")
+                seen.add(name)
+                yield name, tensor
+
+        self.llm.collective_rpc("load_weight_stream", args=(checked(),))
+        self.llm.reset_prefix_cache()
+        if missing := sorted(expected - seen):
+            raise ValueError(f"update_weights: the weight stream lacked {missing[:5]}; the engine is now "
+                             "inconsistent: pass every HF-named tensor (merge LoRA adapters first)")
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache (CUDA with `enable_sleep_mode`); otherwise nothing."""

@@ -22,3 +22,7 @@ class WeightSyncExtension:
         state = safetensors.torch.load(blob)
         self.model_runner.reload_weights(weights_iterator=iter(state.items()))
         return len(state)
+
+    def load_weight_stream(self, weights) -> None:
+        """Load HF-named (name, tensor) pairs from an iterator, consumed layer by layer (in-process engines)."""
+        self.model_runner.reload_weights(weights_iterator=weights)

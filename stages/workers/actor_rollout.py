@@ -1,9 +1,16 @@
 """The colocated worker: actor (trainer + optimizer), reference and rollout engine in one process.
 
 HybridFlow's colocated placement: the three roles share one device and switch phases (generate, then
-compute logprobs, then train, then push the new weights into the engine in-process). The actor is
-FSDP2-sharded even on one device. The reference is the base model with LoRA disabled when LoRA is on,
-otherwise a frozen sharded copy; it is only built when a KL term needs it.
+compute logprobs, then train, then push the new weights into the engine in-process). N such workers (one
+per device) form one torch.distributed world: the actor and the reference are FSDP2-sharded over it (even
+at N = 1), and every worker has its own rollout engine that generates its share of the prompts
+(data-parallel rollout). The world is created first; vLLM then joins it in external-launcher mode with
+tensor parallel size 1, so each engine still computes alone (see stages/model/fsdp.py). The reference is
+the base model with LoRA disabled when LoRA is on, otherwise a frozen sharded copy; it is only built when
+a KL term needs it.
+
+Weight sync streams the actor's parameters into the engine one decoder layer at a time (each gathered
+from the shards, LoRA merged), so no device holds a second full copy next to the engine's.
 
 The worker is a plain class (testable without Ray); stages/workers/group.py runs it as a Ray actor.
 """
@@ -16,13 +23,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from infra.config import Config
 from stages.batch import Batch, build_batch
 from stages.model.fsdp import (
-    ensure_process_group,
     full_state_dict,
     hf_weights,
+    init_process_group,
+    iter_hf_weights,
     load_train_state,
     save_train_state,
     shard,
@@ -31,7 +40,7 @@ from stages.model.loading import DTYPES, load_model, load_tokenizer
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import TokenLogprobs
 from stages.rollout.base import RolloutOutput, SamplingParams
-from stages.workers.actor_update import micro_batches, update_policy
+from stages.workers.actor_update import all_reduce, micro_batches, update_policy
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +58,7 @@ def make_engine(cfg: Config, model_dir: str):
         return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
                                  enforce_eager=rollout.enforce_eager,
                                  gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                 enable_sleep_mode=torch.cuda.is_available())
+                                 enable_sleep_mode=torch.cuda.is_available(), external_launcher=True)
     from stages.rollout.hf import HFRolloutEngine
 
     tokenizer = load_tokenizer(model_dir)
@@ -60,13 +69,14 @@ def make_engine(cfg: Config, model_dir: str):
 
 
 class ActorRolloutWorker:
-    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None):
         self.cfg = cfg
         self.rl = cfg.rl
-        torch.manual_seed(cfg.run.seed + rank)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.engine = make_engine(cfg, model_dir)  # first: vLLM creates the process group when it is used
-        ensure_process_group(rank, world_size)
+        init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
+        self.engine = make_engine(cfg, model_dir)
+        torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
         model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing})
         self.actor = self._sharded(load_model(model_dir, model_cfg))
         self.ref = None
@@ -77,6 +87,7 @@ class ActorRolloutWorker:
         self.scheduler = build_scheduler(self.optimizer, optim, self.rl.total_steps)
         lora = cfg.model.lora
         self.lora_scale = lora.alpha / lora.rank if lora else None
+        torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)
 
     def _sharded(self, model) -> TokenLogprobs:
         param_dtype = DTYPES[self.cfg.model.dtype] if self.device.type == "cuda" else None
@@ -85,6 +96,7 @@ class ActorRolloutWorker:
     # ---- rollout -------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        """This rank's prompts (`prompt_index` counts from 0 within them); the driver offsets the indices."""
         self.engine.wake()
         try:
             return self.engine.generate(prompt_ids, params)
@@ -133,10 +145,14 @@ class ActorRolloutWorker:
     # ---- weight sync ---------------------------------------------------------------------------------
 
     def sync_weights(self, check_prompts: list[list[int]]) -> dict[str, float]:
-        """Push the actor's weights into the engine, then check the engine on a few greedy tokens."""
+        """Stream the actor's weights into the engine layer by layer, then check the engine on a few greedy
+        tokens (every rank checks its own engine; the largest difference is reported and checked)."""
         start = time.perf_counter()
-        state = hf_weights(full_state_dict(self.actor), self.lora_scale)
-        self.engine.update_weights(state)
+        self.engine.wake()
+        try:
+            self.engine.update_weights(iter_hf_weights(self.actor, self.lora_scale))
+        finally:
+            self.engine.sleep()
         metrics = {"timing_s/sync": time.perf_counter() - start}
         if self.rl.rollout.logprob_check_tokens and check_prompts:
             metrics["rollout/logprob_diff_max"] = self._check_engine(check_prompts)
@@ -151,7 +167,8 @@ class ActorRolloutWorker:
         with torch.no_grad():
             lp, _ = self.actor(**self._inputs(batch), temperature=1.0)
         mask = batch.response_mask
-        diff = ((lp.cpu() - batch.tensors["rollout_logprobs"]).abs() * mask).max().item()
+        local = ((lp.cpu() - batch.tensors["rollout_logprobs"]).abs() * mask).max()
+        diff = float(all_reduce(local, dist.ReduceOp.MAX))  # every rank raises, or none
         if diff > self.rl.rollout.logprob_check_tol:
             raise StaleEngineError(
                 f"rollout engine disagrees with the trainer after a weight sync: max |logprob diff| = {diff:.3g} "
@@ -162,11 +179,13 @@ class ActorRolloutWorker:
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> None:
-        save_train_state(Path(path) / "actor.pt", self.actor, self.optimizer, self.scheduler)
+        """Sharded (every rank writes its shards) into `path`/actor; `path` must be visible to every rank."""
+        save_train_state(Path(path) / "actor", self.actor, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> None:
-        load_train_state(Path(path) / "actor.pt", self.actor, self.optimizer, self.scheduler)
+        load_train_state(Path(path) / "actor", self.actor, self.optimizer, self.scheduler)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """Plain HF weights (LoRA merged), for saving the trained model."""
-        return hf_weights(full_state_dict(self.actor), self.lora_scale)
+        """Plain HF weights (LoRA merged) on rank 0 (empty elsewhere), for saving the trained model."""
+        state = full_state_dict(self.actor)
+        return hf_weights(state, self.lora_scale) if state else {}

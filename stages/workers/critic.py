@@ -2,7 +2,9 @@
 
 Initialised from the same model folder as the actor, with a zero-initialised value head. Values are
 read at the positions that predict each response token (see ValueModel). The loss is verl's clipped
-value loss, with the same global denominators as the actor so micro-batching does not change it.
+value loss, with the same global denominators as the actor (summed over ranks) so neither micro-batching
+nor the number of workers changes it. N critic workers form their own torch.distributed world, colocated
+with the actor workers (rank r of both on device r).
 """
 
 from __future__ import annotations
@@ -14,21 +16,29 @@ import torch
 
 from infra.config import Config
 from stages.batch import Batch
-from stages.core import clipped_value_loss, loss_denominators
-from stages.model.fsdp import ensure_process_group, load_train_state, save_train_state, shard
+from stages.core import clipped_value_loss
+from stages.model.fsdp import init_process_group, load_train_state, save_train_state, shard
 from stages.model.loading import DTYPES, load_model
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import ValueModel
-from stages.workers.actor_update import MetricMeans, grad_norm, local_scale, micro_batches
+from stages.workers.actor_update import (
+    MetricMeans,
+    global_denominators,
+    grad_norm,
+    local_mini_rows,
+    local_scale,
+    micro_batches,
+)
 
 
 class CriticWorker:
-    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None):
         self.cfg = cfg
         self.critic_cfg = cfg.rl.critic
-        torch.manual_seed(cfg.run.seed + 1000 + rank)
+        torch.manual_seed(cfg.run.seed + 1000)  # the same initial weights on every rank
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        ensure_process_group(rank, world_size)
+        init_process_group(rank, world_size, master_addr, master_port)
         model_cfg = cfg.model.model_copy(update={"lora": None, "gradient_checkpointing": False})
         value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)
         param_dtype = DTYPES[cfg.model.dtype] if self.device.type == "cuda" else None
@@ -51,8 +61,8 @@ class CriticWorker:
 
     def update(self, batch: Batch) -> dict[str, float]:
         self.model.train()
-        cfg, rl = self.critic_cfg, self.cfg.rl
-        mini_size = rl.actor.ppo_mini_batch_size * rl.rollout.n
+        cfg = self.critic_cfg
+        mini_size = local_mini_rows(self.cfg)
         means = MetricMeans()
         for _ in range(cfg.ppo_epochs):
             for start in range(0, len(batch), mini_size):
@@ -63,7 +73,7 @@ class CriticWorker:
         return {**means.result(), "critic/lr": lr}
 
     def _update_mini(self, mini: Batch, means: MetricMeans) -> None:
-        scale = {**loss_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
+        scale = {**global_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
         for rows in micro_batches(mini, self.critic_cfg):
             micro = mini.select(rows)
             t = self._inputs(micro.tensors)
@@ -82,7 +92,8 @@ class CriticWorker:
         means.add({"critic/grad_norm": norm})
 
     def save_checkpoint(self, path: str) -> None:
-        save_train_state(Path(path) / "critic.pt", self.model, self.optimizer, self.scheduler)
+        """Sharded into `path`/critic (see ActorRolloutWorker.save_checkpoint)."""
+        save_train_state(Path(path) / "critic", self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: str) -> None:
-        load_train_state(Path(path) / "critic.pt", self.model, self.optimizer, self.scheduler)
+        load_train_state(Path(path) / "critic", self.model, self.optimizer, self.scheduler)

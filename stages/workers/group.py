@@ -1,21 +1,31 @@
-"""Ray placement: start or attach to a cluster, and run workers as Ray actors.
+"""Ray placement: start or attach to a cluster, and run a role's workers as N colocated Ray actors.
 
-`ray.address` set: attach to that (persistent) cluster; otherwise start a local one for the run. Each
-worker class runs in its own actor process holding its state for the whole stage; the driver (the RL
-loop, inside the Prefect task) holds no model and calls worker methods with `WorkerGroup.call`.
+`ray.address` set: attach to that (persistent) cluster; otherwise start a local one for the run. The
+workers of a run live in one Ray placement group of N = `ray.num_devices_per_node * ray.num_nodes`
+bundles, one per device (a GPU, or one CPU slot on CPU machines), STRICT_PACK on one node and PACK across
+nodes. The roles (actor+rollout+reference, critic) are colocated: each takes a share of every bundle, so
+rank r of every role sits on device r. Each role's N actors form their own torch.distributed world (the
+rendezvous address is rank 0's node and a free port there).
+
+The driver (the RL loop, inside the Prefect task) holds no model. `call` runs a method on every rank with
+the same arguments, `call_each` with per-rank arguments; `map_rows` splits a Batch across the ranks (see
+stages/batch.py `rank_rows`) and puts the per-row results back in the batch's order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from infra.config import Config, RayConfig
 from infra.prefect_env import PROJECT_DIR
+from stages.batch import Batch, gather_rows, rank_rows
 
 logger = logging.getLogger(__name__)
 
 _PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE", "CUDA_VISIBLE_DEVICES")
+PLACEMENT_TIMEOUT_S = 120
 
 
 def worker_env(cfg: RayConfig) -> dict[str, str]:
@@ -37,33 +47,113 @@ def init_ray(cfg: RayConfig) -> bool:
         return False
     runtime_env = {"env_vars": worker_env(cfg)}
     if cfg.address:
+        from infra.cluster import attach_auth
+
+        attach_auth()  # a `ray start` cluster uses token authentication when a token exists
         ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True)
         logger.info("attached to Ray cluster at %s", cfg.address)
-    else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=runtime_env, namespace="rlpipe",
-                 log_to_driver=True, configure_logging=False)
+    else:  # "local": a new cluster even when `ray start` runs on this machine (ray.init() would attach to it)
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                 namespace="rlpipe", log_to_driver=True, configure_logging=False)
         logger.info("started a local Ray cluster (%s CPUs)", ray.cluster_resources().get("CPU"))
     return True
 
 
-class WorkerGroup:
-    """Ray actors of one role; `call` runs a method on every worker and returns the results in rank order."""
+def _free_port() -> tuple[str, int]:
+    """This node's IP and a TCP port nothing listens on (the rendezvous of a role's torch.distributed world)."""
+    import ray
 
-    def __init__(self, cls, cfg: Config, model_dir: str, num_cpus: float = 1, num_gpus: float = 0):
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+
+class Placement:
+    """One bundle per device: {"CPU": 1} (+ {"GPU": 1} when the cluster has GPUs), shared by `num_roles`."""
+
+    def __init__(self, cfg: RayConfig, num_roles: int):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        self.world_size = cfg.num_devices_per_node * cfg.num_nodes
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
+        strategy = "STRICT_PACK" if cfg.num_nodes == 1 else "PACK"
+        self.group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
+        if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+            remove_placement_group(self.group)
+            raise RuntimeError(
+                f"Ray could not place {self.world_size} workers ({bundle} each, {strategy}) in "
+                f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}. Lower ray.num_devices_per_node "
+                "/ ray.num_nodes, add nodes, or on CPU raise ray.num_cpus (logical CPU slots)")
+        self.share = {"num_cpus": 1.0 / num_roles, "num_gpus": (1.0 / num_roles) if gpus else 0}
+        logger.info("placement group: %d bundles %s (%s), %d colocated roles", self.world_size, bundle, strategy,
+                    num_roles)
+
+    def strategy(self, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=rank)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+class WorkerGroup:
+    """N Ray actors of one role, rank r on bundle r; results come back in rank order."""
+
+    def __init__(self, cls, cfg: Config, model_dir: str, placement: Placement):
         import ray
 
-        world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
-        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
         self.name = cls.__name__
-        self.handles = [remote.remote(cfg, model_dir, rank, world_size) for rank in range(world_size)]
+        self.world_size = placement.world_size
+        addr, port = ray.get(ray.remote(num_cpus=0)(_free_port).options(
+            scheduling_strategy=placement.strategy(0)).remote())
+        remote = ray.remote(**placement.share)(cls)
+        self.handles = [
+            remote.options(scheduling_strategy=placement.strategy(rank)).remote(
+                cfg, model_dir, rank, self.world_size, addr, port)
+            for rank in range(self.world_size)
+        ]
+        self.call("__ray_ready__")  # construction errors surface here, naming the worker
 
     def call(self, method: str, *args, **kwargs) -> list:
-        import ray
-
-        return ray.get([getattr(h, method).remote(*args, **kwargs) for h in self.handles])
+        """`method(*args)` on every rank (collectives inside need all of them)."""
+        return self._get([getattr(h, method).remote(*args, **kwargs) for h in self.handles])
 
     def call_one(self, method: str, *args, **kwargs):
+        """Rank 0's result of a call on every rank (workers reduce results across ranks themselves)."""
         return self.call(method, *args, **kwargs)[0]
+
+    def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
+        return self._get([getattr(h, method).remote(*args) for h, args in zip(self.handles, per_rank_args)])
+
+    def map_rows(self, method: str, batch: Batch, mini_rows: int, *args):
+        """Rank r computes on its rows (`rank_rows`); per-row tensor results (or tuples of them) are gathered
+        back into the batch's row order."""
+        shards = rank_rows(len(batch), self.world_size, mini_rows)
+        results = self.call_each(method, [(batch.select(rows), *args) for rows in shards])
+        if isinstance(results[0], tuple):
+            return tuple(gather_rows([r[i] for r in results], shards) for i in range(len(results[0])))
+        return gather_rows(results, shards)
+
+    def split_call(self, method: str, batch: Batch, mini_rows: int, *args):
+        """Rank r trains on its rows of each mini-batch; rank 0's (globally reduced) metrics come back."""
+        shards = rank_rows(len(batch), self.world_size, mini_rows)
+        return self.call_each(method, [(batch.select(rows), *args) for rows in shards])[0]
+
+    @staticmethod
+    def _get(refs: list) -> list:
+        """Results in rank order; a failed rank raises at once, not after ranks blocked in a collective with it."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        return ray.get(refs)
 
     def kill(self) -> None:
         import ray
