@@ -65,7 +65,10 @@ class CriticConfig(_Optim):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["vllm", "hf"] = Field("vllm", description="vllm (fast, colocated) or hf (transformers).")
+    engine: Literal["vllm", "hf", "cuda"] = Field(
+        "vllm", description="vllm (fast, colocated), hf (transformers generate) or cuda (our static-KV-cache engine "
+        "with CUDA graphs, stages/rollout/cuda_engine.py; Qwen2/Llama; also runs on CPU, slowly)."
+    )
     n: int = Field(8, gt=0, description="Samples per prompt.")
     temperature: float = Field(1.0, gt=0, description="Training sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1)

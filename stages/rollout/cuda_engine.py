@@ -1,0 +1,354 @@
+"""The `cuda` rollout engine: generation with a static KV cache and decode steps captured as CUDA graphs.
+
+Algorithm (one `generate` call; sequences = prompts x n, prompt-major):
+
+1. Slots. The engine holds `max_num_seqs` slots: a KV-cache row, a position, a token count, a done flag
+   and an output row each. Running sequences occupy slots [0, B); the rest are free.
+2. Admission. While prompts wait and at least a batch of them fits (n slots each), the waiting prompts
+   are prefilled together, packed without padding; each prompt is computed once and its K/V copied into
+   its n slots; each slot samples its own first token from the prompt's last logits.
+3. Decode rounds. `sync_every` decode steps run back to back without reading anything back: one token
+   per slot for slots [0, bucket(B)), where buckets are a fixed list of batch sizes (rows past B are
+   padding: harmless writes into free slots). Each step (forward, sampling, bookkeeping) is one CUDA
+   graph per (bucket, sampling mode), captured on first use, replayed afterwards.
+4. Harvest. After a round the done flags are read; finished sequences are copied out (trimmed at their
+   first stop token or at max_tokens) and their slots freed; the last running slots move into the holes
+   (K/V rows included), so B shrinks and smaller, cheaper buckets run: finished sequences stop costing
+   compute, up to `sync_every - 1` steps of overrun (their extra tokens are dropped).
+
+Deviations from vLLM: no paged KV cache (each slot holds `max_model_len` positions), no prefix caching
+across calls, no chunked prefill; admission is by whole prompts (all n samples together).
+
+Kernels: on CUDA with Triton, decode attention is split-KV flash-decoding and sampling one fused pass
+over the logits (triton_kernels.py); the pointwise work between matmuls is torch.compile'd (cuda_model.py).
+Sampling and logprobs: stages/rollout/sampling.py (the convention of base.py). With the same seed,
+prompts, weights and engine settings, outputs are identical (graphs are captured with the RNG state and
+the slot counters saved and restored); the fused sampler's noise is keyed by a seed drawn from torch's
+generator, so CPU and CUDA draw different samples for one seed.
+Weights: `update_weights` copies an HF state dict into the engine's own fused weights in place, so the
+captured graphs stay valid. On a machine without CUDA the same code runs eagerly (tests use that).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from stages.model.policy import hf_parts
+from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.cuda_model import Decoder
+from stages.rollout.sampling import Sampler, SamplingMode
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_TOKENS = 8
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 32, then every 16: under 16 padding rows, under 12% from 128 rows on."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, *range(48, max_num_seqs + 16, 16)]
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class _Slots:
+    """Per-slot state on the device (fixed addresses: the captured graphs read and write them)."""
+
+    def __init__(self, num_slots: int, width: int, device: torch.device):
+        kw = {"device": device, "dtype": torch.long}
+        self.token = torch.zeros(num_slots, **kw)
+        self.pos = torch.zeros(num_slots, **kw)
+        self.gen = torch.zeros(num_slots, **kw)
+        self.done = torch.ones(num_slots, device=device, dtype=torch.bool)
+        self.out_tokens = torch.zeros(num_slots, width, **kw)
+        self.out_logprobs = torch.zeros(num_slots, width, device=device)
+        self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, **kw)
+        self.max_tokens = torch.ones((), **kw)
+        self.rows = torch.arange(num_slots, device=device)
+
+    def rows_state(self) -> tuple[torch.Tensor, ...]:
+        return self.token, self.pos, self.gen, self.done, self.out_tokens, self.out_logprobs
+
+    def reset_from(self, start: int) -> None:
+        """Free slots: position 0, nothing generated, done (their padding-row writes stay in range)."""
+        for t, value in ((self.token, 0), (self.pos, 0), (self.gen, 0), (self.done, True)):
+            t[start:].fill_(value)
+
+
+class CudaRolloutEngine:
+    """RolloutEngine (base.py) over a transformers Qwen2/Llama model; fast on CUDA, correct anywhere.
+
+    model: the HF causal LM whose weights are copied (it is not kept). max_model_len bounds prompt +
+    response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows).
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, *, max_num_seqs: int = 256,
+                 max_model_len: int = 1024, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, attention: str = "auto", use_cuda_graphs: bool | None = None,
+                 compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
+                 release_memory_on_sleep: bool = False, fused_sampling: bool | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype
+        on_cuda = self.device.type == "cuda"
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        triton_ok = on_cuda and _has_triton()
+        if attention == "auto":
+            attention = ("triton" if triton_ok else "flash") if on_cuda and half else "sdpa"
+        if fused_sampling is None:
+            fused_sampling = triton_ok
+        if fused_sampling and not triton_ok:
+            raise ValueError("fused_sampling=True needs a CUDA device and triton")
+        self.use_cuda_graphs = on_cuda if use_cuda_graphs is None else use_cuda_graphs
+        if self.use_cuda_graphs and not on_cuda:
+            raise ValueError("use_cuda_graphs=True needs a CUDA device")
+        self.eos_token_id = eos_token_id
+        self.max_num_seqs, self.max_model_len, self.sync_every = max_num_seqs, max_model_len, sync_every
+        self.max_prefill_tokens = max_prefill_tokens
+        self.release_memory_on_sleep = release_memory_on_sleep
+        body, _ = hf_parts(model)
+        kv_len = max_model_len + sync_every  # finished sequences may overrun by sync_every - 1 steps
+        self.decoder = Decoder(model.config, body.rotary_emb, self.device, self.dtype, max_num_seqs, kv_len,
+                               attention, on_cuda if compile is None else compile)
+        self.decoder.weights.load(model.state_dict())
+        self.sampler = Sampler(self.device, on_cuda if compile is None else compile, fused_sampling)
+        self.slots = _Slots(max_num_seqs, kv_len, self.device)
+        self.buckets = batch_buckets(max_num_seqs)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.stats: dict[str, float] = {}
+        self.decoder.allocate_cache()
+
+    # ---- interface ---------------------------------------------------------------------------------
+
+    def update_weights(self, state) -> None:
+        """A full HF state dict, or an iterable of (name, tensor) pairs (e.g. streamed layer by layer)."""
+        self.decoder.weights.load(state)
+
+    def sleep(self) -> None:
+        if self.release_memory_on_sleep:
+            self._graphs.clear()
+            self.decoder.free_cache()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.decoder.kv is None:
+            self.decoder.allocate_cache()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        self._check(prompt_ids, params)
+        mode = SamplingMode(greedy=True) if params.greedy else SamplingMode(False, params.top_k, params.top_p)
+        self._set_params(params)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        self.sampler.seed.fill_(int(torch.randint(0, 2**31 - 1, (1,)).item()))  # the fused sampler's noise key
+        self.stats = {"decode_steps": 0, "row_steps": 0, "padded_row_steps": 0, "prefill_tokens": 0,
+                      "prefill_s": 0.0, "capture_s": 0.0, "harvest_s": 0.0}
+        waiting = deque(range(len(prompt_ids)))
+        self._active, self._host_pos = [], []  # per slot in [0, B): sequence id, next position
+        self.slots.reset_from(0)
+        results: dict[int, RolloutOutput] = {}
+        while True:
+            self._admit(waiting, prompt_ids, params.n, mode)
+            if not self._active:
+                break
+            self._decode_round(mode)
+            self._harvest(results, params)
+        return [results[i] for i in range(len(prompt_ids) * params.n)]
+
+    # ---- scheduling ------------------------------------------------------------------------------------
+
+    def _check(self, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate needs at least one prompt, each of at least one token")
+        longest = max(len(p) for p in prompt_ids)
+        if longest + params.max_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens + max_tokens={params.max_tokens} exceeds the engine's "
+                             f"max_model_len={self.max_model_len}; raise max_model_len or shorten the prompts")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
+        if params.max_tokens < 1 or len(params.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"max_tokens={params.max_tokens} must be >= 1 and at most {MAX_STOP_TOKENS} stop "
+                             f"tokens may be given (got {len(params.stop_token_ids)})")
+
+    def _set_params(self, params: SamplingParams) -> None:
+        stops = list(params.stop_token_ids) or [self.eos_token_id]
+        self.slots.stop_ids.fill_(-1)
+        self.slots.stop_ids[: len(stops)] = torch.tensor(stops)
+        self.slots.max_tokens.fill_(params.max_tokens)
+        self.sampler.set_temperature(params.logprob_temperature)
+        self._stops = set(stops)
+
+    def _admit(self, waiting: deque, prompt_ids: list[list[int]], n: int, mode: SamplingMode) -> None:
+        """Prefill waiting prompts into free slots, once a batch of them (a quarter of the slots) fits."""
+        capacity = (self.max_num_seqs - len(self._active)) // n
+        batch = min(len(waiting), max(1, self.max_num_seqs // (4 * n)))
+        if capacity == 0 or not waiting or (self._active and capacity < batch):
+            return
+        take = [waiting.popleft() for _ in range(min(capacity, len(waiting)))]
+        chunk, tokens = [], 0
+        for index in take:
+            if chunk and tokens + len(prompt_ids[index]) > self.max_prefill_tokens:
+                self._prefill(chunk, prompt_ids, n, mode)
+                chunk, tokens = [], 0
+            chunk.append(index)
+            tokens += len(prompt_ids[index])
+        self._prefill(chunk, prompt_ids, n, mode)
+
+    def _prefill(self, indices: list[int], prompt_ids: list[list[int]], n: int, mode: SamplingMode) -> None:
+        start_time = time.perf_counter()
+        dev, start = self.device, len(self._active)
+        lengths = torch.tensor([len(prompt_ids[i]) for i in indices])
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        sample_lengths = lengths.repeat_interleave(n)  # (m*n,)
+        slots = start + torch.arange(len(indices) * n)
+        total = int(sample_lengths.sum())
+        offsets = torch.arange(total) - (sample_lengths.cumsum(0) - sample_lengths).repeat_interleave(sample_lengths)
+        src = cu[:-1].repeat_interleave(n).repeat_interleave(sample_lengths) + offsets
+        ids = torch.tensor([t for i in indices for t in prompt_ids[i]])
+        positions = torch.cat([torch.arange(int(length)) for length in lengths])
+        logits = self.decoder.prefill(
+            ids.to(dev), positions.to(dev), cu.to(dev, torch.int32), int(lengths.max()),
+            slots.repeat_interleave(sample_lengths).to(dev), offsets.to(dev), src.to(dev), (cu[1:] - 1).to(dev),
+        )
+        tokens, logprobs = self.sampler.sample(logits.repeat_interleave(n, dim=0), mode)
+        rows, s = slots.to(dev), self.slots
+        s.pos[rows] = sample_lengths.to(dev)
+        s.gen[rows] = 0
+        s.done[rows] = False
+        self._record(rows, tokens, logprobs, advance=False)
+        self._active += [i * n + k for i in indices for k in range(n)]
+        self._host_pos += sample_lengths.tolist()
+        self.stats["prefill_tokens"] += int(lengths.sum())
+        self.stats["prefill_s"] += time.perf_counter() - start_time
+
+    def _record(self, rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, advance: bool) -> None:
+        """Append each row's new token (and its logprob); mark rows that hit a stop token or max_tokens."""
+        s = self.slots
+        gen = s.gen[rows]
+        s.out_tokens.index_put_((rows, gen), tokens)
+        s.out_logprobs.index_put_((rows, gen), logprobs.float())
+        gen = gen + 1
+        s.gen[rows] = gen
+        stop = (tokens[:, None] == s.stop_ids[None, :]).any(-1) | (gen >= s.max_tokens)
+        s.done[rows] = s.done[rows] | stop
+        if advance:
+            s.pos[rows] = s.pos[rows] + 1
+        s.token[rows] = tokens
+
+    def _decode_round(self, mode: SamplingMode) -> None:
+        b = len(self._active)
+        bucket = next(x for x in self.buckets if x >= b)
+        kv_len = self.decoder.max_len
+        if self.decoder.attention == "sdpa":  # read only the cache prefix this round can touch
+            kv_len = min(kv_len, -(-(max(self._host_pos) + self.sync_every) // 128) * 128)
+        for _ in range(self.sync_every):
+            if self.use_cuda_graphs:
+                self._graph(bucket, kv_len, mode).replay()
+            else:
+                self._decode_step(bucket, kv_len, mode)
+        self._host_pos = [p + self.sync_every for p in self._host_pos]
+        self.stats["decode_steps"] += self.sync_every
+        self.stats["row_steps"] += b * self.sync_every
+        self.stats["padded_row_steps"] += bucket * self.sync_every
+
+    def _decode_step(self, bucket: int, kv_len: int, mode: SamplingMode) -> None:
+        s = self.slots
+        logits = self.decoder.decode(s.token[:bucket], s.pos[:bucket], kv_len)
+        tokens, logprobs = self.sampler.sample(logits, mode)
+        self._record(s.rows[:bucket], tokens, logprobs, advance=True)
+
+    def _harvest(self, results: dict[int, RolloutOutput], params: SamplingParams) -> None:
+        b, s = len(self._active), self.slots
+        done = s.done[:b].nonzero()[:, 0].tolist()  # the round's only read-back (waits for the round)
+        start = time.perf_counter()
+        if not done:
+            return
+        rows = torch.tensor(done, device=self.device)
+        tokens = s.out_tokens[rows, : params.max_tokens].tolist()
+        logprobs = s.out_logprobs[rows, : params.max_tokens].tolist()
+        for slot, toks, lps in zip(done, tokens, logprobs):
+            seq = self._active[slot]
+            results[seq] = _trim(toks, lps, self._stops, seq // params.n)
+        self._compact(done)
+        self.stats["harvest_s"] += time.perf_counter() - start  # host time while the device waits
+
+    def _compact(self, done: list[int]) -> None:
+        """Move the last running slots into the finished ones' places: running slots stay [0, B')."""
+        finished = set(done)
+        keep = [i for i in range(len(self._active)) if i not in finished]
+        b = len(keep)
+        holes = [i for i in done if i < b]
+        movers = [i for i in keep if i >= b]
+        if movers:
+            dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+            for t in self.slots.rows_state():
+                t[dst] = t[src]
+            upto = max(self._host_pos[i] for i in movers)
+            kv = self.decoder.kv
+            kv[:, :, dst, :upto] = kv[:, :, src, :upto]
+            for h, m in zip(holes, movers):
+                self._active[h], self._host_pos[h] = self._active[m], self._host_pos[m]
+        del self._active[b:], self._host_pos[b:]
+        self.slots.reset_from(b)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------
+
+    def _graph(self, bucket: int, kv_len: int, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+        key = (bucket, kv_len, mode)
+        if key not in self._graphs:
+            start = time.perf_counter()
+            self._graphs[key] = self._capture(bucket, kv_len, mode)
+            self.stats["capture_s"] = self.stats.get("capture_s", 0.0) + time.perf_counter() - start
+        return self._graphs[key]
+
+    def _capture(self, bucket: int, kv_len: int, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+        """Warm up (compilation, library workspaces) and capture one decode step; state and RNG restored.
+
+        The warm-up steps write the same K/V the real step will write (same tokens, same positions) and
+        output cells that later steps overwrite; the slot counters and the RNG are put back.
+        """
+        s = self.slots
+        counters = (s.token, s.pos, s.gen, s.done, self.sampler.seed)
+        saved = [t.clone() for t in counters]
+        rng = torch.cuda.get_rng_state(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step(bucket, kv_len, mode)
+                for t, v in zip(counters, saved):
+                    t.copy_(v)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(bucket, kv_len, mode)
+        for t, v in zip(counters, saved):
+            t.copy_(v)
+        torch.cuda.set_rng_state(rng, self.device)
+        return graph
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _trim(tokens: list[int], logprobs: list[float], stops: set[int], prompt_index: int) -> RolloutOutput:
+    end = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if end is None:
+        return RolloutOutput(prompt_index, tokens, logprobs, "length")
+    return RolloutOutput(prompt_index, tokens[: end + 1], logprobs[: end + 1], "stop")

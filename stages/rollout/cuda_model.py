@@ -1,0 +1,316 @@
+"""A plain-torch decoder for generation: fused weights, a static KV cache, prefill and one decode step.
+
+The rollout engine (cuda_engine.py) drives this module; it holds no scheduling state. It implements the
+Qwen2 / Llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP) on weights copied
+from a transformers model, with the same operation order as transformers so that greedy outputs match:
+
+- weights: per layer one fused qkv projection and one fused gate/up projection; `load` copies HF-named
+  tensors into them in place, so captured CUDA graphs stay valid across weight syncs;
+- KV cache: (layers, 2, slots, max_len, kv_heads, head_dim), a sequence's tokens at positions 0.. of
+  its slot; the engine moves slots around (compaction), this module only reads and writes them;
+- prefill: prompts packed without padding (position ids per prompt), causal attention within each
+  prompt (stages/model/policy.py `packed_attention`), K/V written into each of the prompt's `n` slots;
+- decode: one token per slot for slots [0, B); attention reads each slot's first pos+1 cache entries:
+  `triton` (CUDA: split-KV flash-decoding, triton_kernels.py; the default there), `flash` (CUDA: the
+  flash kernel's varlen path with per-slot lengths; one program per sequence and kv head, so it is
+  latency-bound at decode) or `sdpa` (any device: masked attention over the first `kv_len` entries, a
+  bucket of the engine's).
+
+Pointwise work between matmuls (norms, rotary, SwiGLU, residual adds) is in small functions that the
+engine may `torch.compile` (the token dimension becomes dynamic after the second size seen, so a couple
+of compilations serve every batch size).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stages.model.policy import packed_attention
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config) -> DecoderShape:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={config.model_type!r} is not supported by the cuda rollout engine "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use rl.rollout.engine=hf or vllm")
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+            raise ValueError("the cuda rollout engine supports silu MLPs without bias; use rl.rollout.engine=hf")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("the cuda rollout engine has no sliding-window attention; use rl.rollout.engine=hf")
+        heads = config.num_attention_heads
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        return cls(
+            num_layers=config.num_hidden_layers, hidden=config.hidden_size, num_heads=heads,
+            num_kv_heads=config.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias, o_bias=config.model_type == "llama" and qkv_bias,
+            tied=bool(config.tie_word_embeddings),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class DecoderWeights:
+    """The decoder's weights in one dtype on one device; `load` fills them from HF-named tensors in place."""
+
+    def __init__(self, shape: DecoderShape, device: torch.device, dtype: torch.dtype):
+        s, kw = shape, {"device": device, "dtype": dtype}
+        qkv = s.q_size + 2 * s.kv_size
+        self.embed = torch.empty(s.vocab, s.hidden, **kw)
+        self.lm_head = self.embed if s.tied else torch.empty(s.vocab, s.hidden, **kw)
+        self.final_norm = torch.empty(s.hidden, **kw)
+        # one tensor per layer and role (not slices of a stacked tensor): compiled code sees equal layouts
+        layers = range(s.num_layers)
+        self.in_norm = [torch.empty(s.hidden, **kw) for _ in layers]
+        self.qkv_w = [torch.empty(qkv, s.hidden, **kw) for _ in layers]
+        self.qkv_b = [torch.empty(qkv, **kw) for _ in layers] if s.qkv_bias else [None] * s.num_layers
+        self.o_w = [torch.empty(s.hidden, s.q_size, **kw) for _ in layers]
+        self.o_b = [torch.empty(s.hidden, **kw) for _ in layers] if s.o_bias else [None] * s.num_layers
+        self.post_norm = [torch.empty(s.hidden, **kw) for _ in layers]
+        self.gate_up = [torch.empty(2 * s.intermediate, s.hidden, **kw) for _ in layers]
+        self.down = [torch.empty(s.hidden, s.intermediate, **kw) for _ in layers]
+        self.shape = shape
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the view of our weights it is copied into."""
+        s = self.shape
+        q, k = s.q_size, s.q_size + s.kv_size
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm,
+               "lm_head.weight": self.lm_head}
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            out |= {
+                p + "input_layernorm.weight": self.in_norm[i],
+                p + "post_attention_layernorm.weight": self.post_norm[i],
+                p + "self_attn.q_proj.weight": self.qkv_w[i][:q], p + "self_attn.k_proj.weight": self.qkv_w[i][q:k],
+                p + "self_attn.v_proj.weight": self.qkv_w[i][k:], p + "self_attn.o_proj.weight": self.o_w[i],
+                p + "mlp.gate_proj.weight": self.gate_up[i][: s.intermediate],
+                p + "mlp.up_proj.weight": self.gate_up[i][s.intermediate :], p + "mlp.down_proj.weight": self.down[i],
+            }
+            if s.qkv_bias:
+                b = self.qkv_b[i]
+                out |= {p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q:k],
+                        p + "self_attn.v_proj.bias": b[k:]}
+            if s.o_bias:
+                out[p + "self_attn.o_proj.bias"] = self.o_b[i]
+        return out
+
+    @torch.no_grad()
+    def load(self, state) -> None:
+        """Copy HF-named tensors in (any device/dtype): a dict, or (name, tensor) pairs streamed one layer at a
+        time (stages/model/fsdp.py `iter_hf_weights`). Every weight must come; unknown names are an error."""
+        targets = self.targets()
+        seen: set[str] = set()
+        for name, value in state.items() if isinstance(state, dict) else state:
+            dst = targets.get(name)
+            if dst is None:
+                raise ValueError(f"weight sync: unexpected parameter {name!r}; pass plain HF names (LoRA merged, "
+                                 "no wrapper prefixes)")
+            if tuple(value.shape) != tuple(dst.shape):
+                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(value, non_blocking=True)
+            seen.add(name)
+        optional = {"lm_head.weight"} if self.shape.tied else set()
+        missing = sorted(set(targets) - seen - optional)
+        if missing:
+            raise ValueError(f"weight sync: {len(missing)} parameters missing, e.g. {missing[:3]}; pass the full "
+                             "state dict (the engine's weights are now partly updated)")
+
+
+# ---- pointwise pieces (compiled on CUDA; same operation order as transformers) -------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attn_inputs(h, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
+    """(N, H) hidden -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D)."""
+    x = rms_norm(h, norm_w, eps)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    d = cos.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (N, 1, D)
+    q = _rotate(q.view(-1, num_heads, d), cos, sin)
+    k = _rotate(k.view(-1, num_kv_heads, d), cos, sin)
+    return q, k, v.reshape(-1, num_kv_heads, d)
+
+
+def attn_output_and_mlp(h, attn, o_w, o_b, norm_w, gate_up_w, down_w, eps: float):
+    """Residual stream after the attention projection and the SwiGLU MLP: (N, H)."""
+    h = h + F.linear(attn, o_w, o_b)
+    x = rms_norm(h, norm_w, eps)
+    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
+
+
+def final_norm(h, norm_w, eps: float):
+    return rms_norm(h, norm_w, eps)
+
+
+class Decoder:
+    """Forward passes of the decoder over the engine's slots. Not an nn.Module: it trains nothing."""
+
+    def __init__(self, config, rotary: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_slots: int,
+                 max_len: int, attention: str, compile: bool):
+        self.shape = DecoderShape.from_config(config)
+        if attention not in ("triton", "flash", "sdpa"):
+            raise ValueError(f"attention={attention!r}: use 'triton' or 'flash' (CUDA) or 'sdpa'")
+        if attention == "flash" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError("attention='flash' needs a CUDA device and bfloat16/float16 weights; use 'sdpa'")
+        if attention == "triton":
+            from stages.rollout.triton_kernels import decode_attention, write_kv
+
+            self._triton_attention, self._triton_write = decode_attention, write_kv
+        self.device, self.dtype, self.attention = device, dtype, attention
+        self.max_slots, self.max_len = max_slots, max_len
+        self.weights = DecoderWeights(self.shape, device, dtype)
+        self.scale = self.shape.head_dim ** -0.5
+        with torch.no_grad():
+            positions = torch.arange(max_len, device=device)[None]
+            rotary = copy.deepcopy(rotary).to(device)  # the caller's model stays where it is
+            cos, sin = rotary(torch.empty(0, device=device, dtype=dtype), positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_len, D) in dtype
+        self.kv: torch.Tensor | None = None
+        # automatic dynamic shapes: a second token count recompiles once with that dimension symbolic
+        wrap = (lambda f: torch.compile(f, fullgraph=True)) if compile else (lambda f: f)
+        self._attn_inputs = wrap(attn_inputs)
+        self._attn_output_and_mlp = wrap(attn_output_and_mlp)
+        self._final_norm = wrap(final_norm)
+        self._cu_q = torch.arange(max_slots + 1, device=device, dtype=torch.int32)  # one query per slot
+        self._cu_k = self._cu_q * max_len  # each slot's cache region in the flattened cache
+        self._cu_grouped = self._cu_q * (self.shape.num_heads // self.shape.num_kv_heads)
+
+    def allocate_cache(self) -> None:
+        s = self.shape
+        self.kv = torch.zeros(s.num_layers, 2, self.max_slots, self.max_len, s.num_kv_heads, s.head_dim,
+                              device=self.device, dtype=self.dtype)
+
+    def free_cache(self) -> None:
+        self.kv = None
+
+    def kv_bytes(self) -> int:
+        s = self.shape
+        return s.num_layers * 2 * self.max_slots * self.max_len * s.kv_size * self.weights.embed.element_size()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._final_norm(h, self.weights.final_norm, self.shape.eps), self.weights.lm_head)
+
+    def _layer(self, i: int, h, cos, sin, attend) -> torch.Tensor:
+        w, s = self.weights, self.shape
+        q, k, v = self._attn_inputs(h, w.in_norm[i], w.qkv_w[i], w.qkv_b[i], cos, sin, s.eps, s.num_heads,
+                                    s.num_kv_heads)
+        attn = attend(i, q, k, v).reshape(-1, s.q_size)
+        return self._attn_output_and_mlp(h, attn, w.o_w[i], w.o_b[i], w.post_norm[i], w.gate_up[i], w.down[i], s.eps)
+
+    @torch.no_grad()
+    def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, dst_slot, dst_pos, src_token, last_token):
+        """Packed prompts -> logits at each prompt's last token (P, V); K/V copied to every target slot.
+
+        ids, positions: (N,) packed prompt tokens; cu_seqlens: (P+1,) int32; dst_slot, dst_pos, src_token:
+        (N*n,) where each packed token's K/V go; last_token: (P,) index of each prompt's last token.
+        """
+
+        def attend(i, q, k, v):
+            self.kv[i, 0].index_put_((dst_slot, dst_pos), k[src_token])
+            self.kv[i, 1].index_put_((dst_slot, dst_pos), v[src_token])
+            return packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+
+        h = F.embedding(ids, self.weights.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i in range(self.shape.num_layers):
+            h = self._layer(i, h, cos, sin, attend)
+        return self._logits(h[last_token])
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token for each of the slots [0, B): ids, positions (B,) -> logits (B, V).
+
+        The token's K/V are written at its position; attention covers positions 0..position of the slot.
+        `kv_len` (sdpa only) bounds the cache entries read: every position must be below it.
+        """
+        b = ids.shape[0]
+        rows = self._cu_q[:b].long()
+        if self.attention in ("flash", "triton"):
+            used = (positions + 1).to(torch.int32)
+            decode = self._flash_decode if self.attention == "flash" else self._triton_decode
+            attend = lambda i, q, k, v: decode(i, q, k, v, rows, positions, used)  # noqa: E731
+        else:
+            valid = torch.arange(kv_len, device=ids.device)[None, :] <= positions[:, None]  # (B, T)
+            attend = lambda i, q, k, v: self._sdpa_decode(i, q, k, v, rows, positions, valid)  # noqa: E731
+        h = F.embedding(ids, self.weights.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i in range(self.shape.num_layers):
+            h = self._layer(i, h, cos, sin, attend)
+        return self._logits(h)
+
+    def _write(self, i, k, v, rows, positions) -> None:
+        self.kv[i, 0].index_put_((rows, positions), k)
+        self.kv[i, 1].index_put_((rows, positions), v)
+
+    def _triton_decode(self, i, q, k, v, rows, positions, used):
+        b = q.shape[0]
+        self._triton_write(k, v, self.kv[i, 0], self.kv[i, 1], positions)  # rows are 0..B-1
+        return self._triton_attention(q, self.kv[i, 0, :b], self.kv[i, 1, :b], used, self.scale)
+
+    def _flash_decode(self, i, q, k, v, rows, positions, used):
+        """The `groups` query heads of a kv head are run as a 7-token query "sequence" of that kv head (no
+        causal mask: all of them sit at the last position), so each CTA reads a kv head's cache once."""
+        self._write(i, k, v, rows, positions)
+        b, s = q.shape[0], self.shape
+        groups = s.num_heads // s.num_kv_heads
+        queries = q.view(b, s.num_kv_heads, groups, s.head_dim).transpose(1, 2).reshape(b * groups, s.num_kv_heads,
+                                                                                       s.head_dim)
+        keys = self.kv[i, 0, :b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
+        values = self.kv[i, 1, :b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
+        out = torch.ops.aten._flash_attention_forward(
+            queries, keys, values, self._cu_grouped[: b + 1], self._cu_k[: b + 1], groups, self.max_len, 0.0,
+            False, False, scale=self.scale, seqused_k=used,
+        )[0]  # (B * groups, kv_heads, D)
+        return out.view(b, groups, s.num_kv_heads, s.head_dim).transpose(1, 2).reshape(b, s.num_heads, s.head_dim)
+
+    def _sdpa_decode(self, i, q, k, v, rows, positions, valid):
+        self._write(i, k, v, rows, positions)
+        b, t, s = q.shape[0], valid.shape[1], self.shape
+        groups = s.num_heads // s.num_kv_heads
+        keys = self.kv[i, 0, :b, :t].transpose(1, 2)  # (B, kv_heads, T, D)
+        values = self.kv[i, 1, :b, :t].transpose(1, 2)
+        queries = q.view(b, s.num_kv_heads, groups, s.head_dim)  # head h uses kv head h // groups
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :],
+                                             scale=self.scale)
+        return out.reshape(b, s.num_heads, s.head_dim)

@@ -1,0 +1,243 @@
+"""The cuda rollout engine against transformers and the trainer, on tiny random models (CPU: eager path).
+
+The same engine code runs on CPU without graphs or compilation; the CUDA-only test at the end compares the
+graph-captured, compiled, flash-attention path with the eager one and is skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from stages.batch import build_batch
+from stages.model.policy import TokenLogprobs
+from stages.rollout.base import SamplingParams
+from stages.rollout.cuda_engine import CudaRolloutEngine, batch_buckets
+from stages.rollout.sampling import restrict, sample_logits
+
+VOCAB, EOS, PAD = 384, 2, 3
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=EOS,
+                  pad_token_id=PAD, bos_token_id=None, rope_theta=10000.0)
+    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common, attention_bias=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for p in model.parameters():  # larger weights than HF's init: peaked distributions, distinct tokens
+            p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.normal_(1.0 if p.dim() == 1 else 0, 0.1)
+    return model.eval()
+
+
+def prompts(num: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 14, (num,), generator=g).tolist()
+    return [torch.randint(4, VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int, stop: int) -> list[int]:
+    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_tokens, eos_token_id=[stop], pad_token_id=PAD)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_equals_hf_generate_through_admission_and_compaction(arch):
+    model = tiny_model(arch)
+    batch = prompts(7)
+    max_tokens = 16
+    # a stop token that greedy decoding emits mid-way for some prompt, so that both finish reasons occur
+    reference = [hf_greedy(model, p, max_tokens, stop=-1) for p in batch]
+    stop = reference[0][5]
+    expected = [hf_greedy(model, p, max_tokens, stop) for p in batch]
+    assert any(e[-1] == stop for e in expected) and any(len(e) == max_tokens and stop not in e for e in expected)
+    # 4 slots for 7 prompts x n=2: waiting prompts, partial admission and slot compaction all happen
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=32, sync_every=3)
+    outs = engine.generate(batch, SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, stop_token_ids=(stop,)))
+    assert [o.prompt_index for o in outs] == [i // 2 for i in range(14)]
+    for o in outs:
+        assert o.response_ids == expected[o.prompt_index]
+        assert o.finish_reason == ("stop" if o.response_ids[-1] == stop else "length")
+        assert len(o.logprobs) == len(o.response_ids)
+
+
+def test_sampled_logprobs_equal_the_trainers():
+    model = tiny_model()
+    batch = prompts(5)
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=6, max_model_len=40, sync_every=2)
+    params = SamplingParams(n=3, temperature=0.7, max_tokens=20, seed=3)
+    outs = engine.generate(batch, params)
+    rows = build_batch([batch[o.prompt_index] for o in outs], [o.response_ids for o in outs],
+                       [o.logprobs for o in outs], pad_token_id=PAD)
+    with torch.no_grad():
+        logprobs, _ = TokenLogprobs(model)(**rows.model_inputs(), temperature=0.7)
+    mask = rows.response_mask
+    diff = ((logprobs - rows.tensors["rollout_logprobs"]).abs() * mask).max().item()
+    assert diff < 1e-4  # float32 on both sides: only summation order differs
+    assert len({tuple(o.response_ids) for o in outs}) > len(batch)  # samples of one prompt differ
+
+
+def test_same_seed_same_samples_other_seed_other_samples():
+    model = tiny_model()
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40)
+    batch = prompts(4)
+
+    def run(seed):
+        return [o.response_ids for o in engine.generate(batch, SamplingParams(n=2, max_tokens=12, seed=seed))]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_update_weights_changes_outputs_like_the_model():
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=40)
+    batch = prompts(3)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=10, stop_token_ids=(-5,))
+    engine.update_weights(other.state_dict())
+    assert [o.response_ids for o in engine.generate(batch, params)] == [hf_greedy(other, p, 10, -5) for p in batch]
+    engine.update_weights(iter(model.state_dict().items()))  # streamed (name, tensor) pairs work too
+    assert [o.response_ids for o in engine.generate(batch, params)] == [hf_greedy(model, p, 10, -5) for p in batch]
+    with pytest.raises(ValueError, match="unexpected"):
+        engine.update_weights({**other.state_dict(), "lm.extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights({"model.norm.weight": torch.ones(64)})
+
+
+def test_bad_requests_name_the_limit():
+    engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=20)
+    with pytest.raises(ValueError, match="max_model_len=20"):
+        engine.generate([[5] * 15], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="max_num_seqs=4"):
+        engine.generate([[5]], SamplingParams(n=5, max_tokens=2))
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=0)
+
+
+def test_sampling_follows_softmax_and_restrictions():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 40_000
+    tokens, logprobs = sample_logits(logits.expand(rows, -1), torch.tensor(1 / 0.8), torch.rand(rows, 6))
+    expected = torch.softmax(logits / 0.8, -1)
+    freq = torch.bincount(tokens, minlength=6).float() / rows
+    assert (freq - expected).abs().max() < 0.01  # binomial sd <= 0.0025 per token
+    assert torch.allclose(logprobs, torch.log(expected)[tokens], atol=1e-6)
+    x = (logits / 0.8).expand(3, -1)
+    assert torch.isinf(restrict(x, 2, 1.0)[:, 2:]).all() and torch.isfinite(restrict(x, 2, 1.0)[:, :2]).all()
+    kept = torch.isfinite(restrict(x, -1, 0.7)[0])  # p = .53, .26, ..: the first two reach 0.7
+    assert kept.tolist() == [True, True, False, False, False, False]
+
+
+def test_batch_buckets_cover_every_size():
+    buckets = batch_buckets(256)
+    assert buckets[0] == 1 and buckets[-1] == 256
+    padding = [next(b for b in buckets if b >= n) - n for n in range(1, 257)]
+    assert max(padding) < 16 and max(padding[127:]) < 16 and all(p < n for n, p in enumerate(padding, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_and_compile_equal_transformers_in_float32():
+    model = tiny_model().cuda()
+    batch = prompts(9)
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=48, sync_every=3)  # graphs + compile
+    assert engine.use_cuda_graphs and engine.decoder.attention == "sdpa"  # flash needs bf16
+    outs = engine.generate(batch, SamplingParams(n=2, temperature=0.0, max_tokens=24, stop_token_ids=(-5,)))
+    assert [o.response_ids for o in outs] == [hf_greedy(model.cpu(), p, 24, -5) for p in batch for _ in range(2)]
+    sampled = SamplingParams(n=3, max_tokens=24, seed=7)
+    assert [o.response_ids for o in engine.generate(batch, sampled)] == [
+        o.response_ids for o in engine.generate(batch, sampled)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flash_bf16_logprobs_near_the_float32_trainer():
+    model = tiny_model().to(torch.bfloat16).cuda()
+    reference_model = tiny_model().to(torch.bfloat16).float()  # the same bf16 weights, computed in float32
+    batch = prompts(9)
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=24, seed=1)
+    gaps = {}
+    for attention in ("triton", "flash", "sdpa"):
+        engine = CudaRolloutEngine(model, EOS, max_num_seqs=16, max_model_len=48, attention=attention)
+        outs = engine.generate(batch, params)
+        rows = build_batch([batch[o.prompt_index] for o in outs], [o.response_ids for o in outs],
+                           [o.logprobs for o in outs], pad_token_id=PAD)
+        with torch.no_grad():
+            reference, _ = TokenLogprobs(reference_model)(**rows.model_inputs(), temperature=0.8)
+        gaps[attention] = (reference - rows.tensors["rollout_logprobs"]).abs()[rows.response_mask]
+    for gap in gaps.values():  # bf16 weights and activations: rounding only (a wrong head would be ~1)
+        assert gap.mean() < 0.03 and gap.max() < 0.3
+    assert gaps["flash"].mean() < 2 * gaps["sdpa"].mean() + 0.005
+    assert gaps["triton"].mean() < 2 * gaps["sdpa"].mean() + 0.005
+
+
+def _triton_device() -> str | None:
+    """cuda, or cpu under TRITON_INTERPRET=1 (Triton's interpreter), when triton is installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    import os
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+def test_triton_decode_attention_equals_reference():
+    from stages.rollout.triton_kernels import decode_attention
+
+    dev = _triton_device()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 14, 64, generator=g)
+    cache_k, cache_v = torch.randn(2, 8, 300, 2, 64, generator=g)  # 8 slots, 300 positions, 2 kv heads
+    lengths = torch.tensor([1, 7, 128, 129, 300], dtype=torch.int32)
+    out = decode_attention(q.to(dev, dtype), cache_k[:5].to(dev, dtype), cache_v[:5].to(dev, dtype),
+                           lengths.to(dev), 0.125).float().cpu()
+    for b, length in enumerate(lengths.tolist()):
+        k = cache_k[b, :length].transpose(0, 1).repeat_interleave(7, 0)  # (14, L, 64): head h uses kv head h // 7
+        v = cache_v[b, :length].transpose(0, 1).repeat_interleave(7, 0)
+        ref = (torch.softmax(q[b][:, None] @ k.transpose(1, 2) * 0.125, -1) @ v)[:, 0]
+        assert (out[b] - ref).norm() / ref.norm() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+def test_triton_sampler_follows_softmax_and_logprobs():
+    from stages.rollout.triton_kernels import sample
+
+    dev = _triton_device()
+    inv = torch.tensor(1 / 0.7, device=dev)
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)).to(dev) * 2
+    tokens, logprobs = sample(logits, inv, torch.tensor(11, device=dev), greedy=True)
+    x = logits.float() * inv
+    assert torch.equal(tokens, x.argmax(-1))
+    assert torch.allclose(logprobs, x.gather(1, tokens[:, None])[:, 0] - x.logsumexp(-1), atol=1e-5)
+    small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], device=dev).expand(300, -1).contiguous()
+    counts = sum(torch.bincount(sample(small, inv, torch.tensor(s, device=dev), False)[0], minlength=6).cpu()
+                 for s in range(10))
+    expected = torch.softmax(small[0].cpu() * inv.cpu(), -1)
+    assert ((counts / 3000) - expected).abs().max() < 0.03  # binomial sd <= 0.0084
+    again = sample(small, inv, torch.tensor(3, device=dev), False)[0]
+    assert torch.equal(again, sample(small, inv, torch.tensor(3, device=dev), False)[0])
+    assert not torch.equal(again, sample(small, inv, torch.tensor(4, device=dev), False)[0])
+
+
+@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+def test_triton_write_kv_puts_each_row_at_its_position():
+    from stages.rollout.triton_kernels import write_kv
+
+    dev = _triton_device()
+    cache = torch.zeros(2, 6, 10, 2, 64, device=dev)  # k and v caches: 6 slots, 10 positions
+    qkv = torch.randn(4, 5, 64, device=dev)  # rows with heads [q, q, q, k, k]...: k and v as strided views
+    k, v = qkv[:, 1:3], qkv[:, 3:5]
+    positions = torch.tensor([0, 9, 3, 3], device=dev)
+    write_kv(k, v, cache[0], cache[1], positions)
+    expected = torch.zeros(cache.shape)
+    expected[0, torch.arange(4), positions.cpu()] = k.cpu()
+    expected[1, torch.arange(4), positions.cpu()] = v.cpu()
+    assert torch.equal(cache.cpu(), expected)

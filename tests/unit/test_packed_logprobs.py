@@ -1,0 +1,58 @@
+"""Packed sequences (no padding) give the padded path's logprobs, entropies and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.batch import build_batch
+from stages.model.policy import TokenLogprobs, pack_rows
+from tests.unit.test_cuda_engine import PAD, tiny_model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (3, 9, 5, 1)]
+    responses = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (6, 1, 11, 4)]
+    return build_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_token_id=PAD)
+
+
+def test_pack_rows_drops_padding_and_finds_the_responses():
+    batch = _batch()
+    t = batch.tensors
+    packed = pack_rows(t["input_ids"], t["attention_mask"], batch.num_response_tokens)
+    assert packed["cu_seqlens"].tolist() == [0, 9, 19, 35, 40]  # lengths 3+6, 9+1, 5+11, 1+4
+    assert packed["max_seqlen"] == 16
+    assert packed["position_ids"][:10].tolist() == [*range(9), 0]
+    assert torch.equal(packed["targets"], t["input_ids"][:, -batch.num_response_tokens:][batch.response_mask])
+    assert packed["predicting"][:6].tolist() == [2, 3, 4, 5, 6, 7]  # row 0: prompt at 0..2, response at 3..8
+
+
+def test_packed_forward_equals_padded_forward_and_gradients():
+    batch = _batch()
+    inputs, mask = batch.model_inputs(), batch.response_mask
+    results = []
+    for pack in (False, True):
+        model = tiny_model()
+        module = TokenLogprobs(model, chunk_tokens=7, pack=pack)
+        lp, ent = module(**inputs, temperature=0.9, with_entropy=True)
+        ((lp * mask).sum() + (ent * mask).sum()).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results.append((lp * mask, ent * mask, grads))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
+    assert torch.allclose(g0, g1, atol=1e-5, rtol=1e-4)
+    assert (lp1 != 0).sum() == mask.sum()  # padding positions stay exactly zero
+
+
+def test_entropy_without_gradient_keeps_values_and_logprob_gradients():
+    batch = _batch()
+    inputs, mask = batch.model_inputs(), batch.response_mask
+    results = []
+    for entropy_grad in (True, False):
+        model = tiny_model()
+        module = TokenLogprobs(model, chunk_tokens=7, pack=True)
+        lp, ent = module(**inputs, with_entropy=True, entropy_grad=entropy_grad)
+        (lp * mask).sum().backward()
+        results.append((ent * mask, torch.cat([p.grad.flatten() for p in model.parameters()]), ent.requires_grad))
+    (ent0, g0, req0), (ent1, g1, req1) = results
+    assert torch.allclose(ent0, ent1) and torch.allclose(g0, g1) and req0 and not req1
