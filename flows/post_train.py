@@ -1,11 +1,12 @@
-"""The post-training flow: data prep -> base model -> SFT -> RL -> merge -> evaluation of each model.
+"""The post-training flow: data prep -> base model -> SFT -> RL -> merge -> evaluation of each model -> report.
 
 Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache]
 
 The flow only sequences stages; each stage is a cached Prefect task (see tasks/stages.py), so a second
 run with the same config is all cache hits, and a run after a failure re-runs only what did not finish.
 RL returns its final checkpoint; merge turns it into the HF model that evaluation compares with the base
-and SFT models. The comparison is published every run (the `evals` table, Prefect table + markdown).
+and SFT models. The comparison is published every run (the `evals` table, Prefect table + markdown),
+and so is the RL run's HTML report (infra/report.py; in the store, linked from a markdown artifact).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tasks.stages import (  # noqa: E402
     merge_task,
     open_store,
     publish_evals_task,
+    report_task,
     rl_task,
     sft_task,
 )
@@ -56,7 +58,7 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
     stages = StageLog()
     dataset = stages.run("data-prep", data_prep_task, cfg)
     base_model = stages.run("base-model", base_model_task, cfg, dataset)
-    models = {"base": base_model}
+    models, checkpoint = {"base": base_model}, None
     if cfg.sft.enabled:
         models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
     if cfg.rl.enabled:
@@ -66,8 +68,10 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
     results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
                for label, model in models.items()}
     publish_evals_task(cfg, results, ctx)
-    print(summary_table(results, stages.states))
-    return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states}
+    report = report_task(cfg, checkpoint, ctx) if checkpoint else None
+    print(summary_table(results, stages.states) + (f"\n\nrun report: {report}" if report else ""))
+    return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states,
+            "report": report}
 
 
 class StageLog:

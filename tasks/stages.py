@@ -242,5 +242,26 @@ def publish_evals_task(cfg: Config, records: dict[str, dict], ctx: RunContext) -
     return rows
 
 
+@task(name="report", retries=1)
+def report_task(cfg: Config, rl_checkpoint: str, ctx: RunContext) -> str:
+    """The HTML report of the RL run, saved in the store and linked from a Prefect markdown artifact.
+    Not cached: it reads tables that grow (this flow run's evals), and rewriting it is cheap."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from infra.report import write_report
+
+    store = open_store(cfg)
+    rl_run_id = ArtifactRef.parse(rl_checkpoint).name  # checkpoint/rl-<key>: the RL run's run_id
+    url = write_report(store, rl_run_id, title=f"{cfg.run.name}: RL run {rl_run_id}", evals_run_id=ctx.run_id,
+                       extra={"flow run": ctx.run_id, "store": cfg.storage.root, "RL checkpoint": rl_checkpoint})
+    link = url if "://" in url else Path(url).as_uri()
+    create_markdown_artifact(
+        key="run-report", description=f"HTML run report of {rl_run_id}",
+        markdown=f"# Run report\n\n[{rl_run_id}/report.html]({link}): reward, validation accuracy, KL, entropy, "
+                 "response length, gradient norm and timing per step; base/SFT/RL evaluation; best and worst "
+                 f"rollouts.\n\nFlow run `{ctx.run_id}`, store `{cfg.storage.root}`.\n")
+    get_run_logger().info("run report: %s", url)
+    return url
+
 def _tracker(cfg: Config, ctx: RunContext, stage: str) -> Tracker:
     return Tracker.from_config(cfg.tracking, f"{ctx.run_id}-{stage}", Path(ctx.run_dir), cfg.model_dump(mode="json"))

@@ -5,6 +5,7 @@ cache hits, and bad inputs fail cleanly. Evaluation uses the hf engine here (vLL
 test_evaluate.py and, through the flow, by test_resume.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,9 @@ def _check_published(tmp_path, run: dict) -> None:
     assert set(overall) == {"data_source", "metric", "base", "sft", "rl"}
     markdown = Artifact.get("post-train-evals-report").data
     assert "| data_source | metric | base | sft | rl |" in markdown and run["results"]["rl"]["model"] in markdown
+    report = Path(run["report"])  # the RL run's HTML report, in the store, linked from a markdown artifact
+    assert report.is_relative_to(tmp_path / "store") and "<img" in report.read_text()
+    assert report.as_uri() in Artifact.get("run-report").data
 
 
 def test_bad_config_fails_before_any_stage(post_train, tmp_path):
