@@ -72,7 +72,7 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--variants", default="naive,packed,packed_compiled")
+    p.add_argument("--variants", default="naive,packed,packed_compiled,tuned,tuned_big")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", default="", help="variant whose update gets a kernel table (profile-train-*.txt)")
     return p.parse_args()
