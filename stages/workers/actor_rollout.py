@@ -59,11 +59,23 @@ def make_engine(cfg: Config, model_dir: str):
                                  enforce_eager=rollout.enforce_eager,
                                  gpu_memory_utilization=rollout.gpu_memory_utilization,
                                  enable_sleep_mode=torch.cuda.is_available(), external_launcher=True)
-    from stages.rollout.hf import HFRolloutEngine
-
+    if rollout.engine not in ("hf", "cuda"):
+        raise ValueError(f"rl.rollout.engine={rollout.engine!r} is not an engine: set it to vllm, hf or cuda")
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, cfg.model, trainable=False)
-    if torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available()
+    if rollout.engine == "cuda":
+        from stages.rollout.cuda_engine import CudaRolloutEngine
+
+        # The engine copies the weights into its own fused layout (the HF model is not kept) and holds a
+        # static KV cache of max_num_seqs rows x (prompt + response) positions; bf16 on GPU, the model's
+        # dtype (fp32 in the CPU tests) elsewhere.
+        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=256, max_model_len=max_len,
+                                 device="cuda" if on_gpu else "cpu", dtype=torch.bfloat16 if on_gpu else None)
+    from stages.rollout.hf import HFRolloutEngine
+
+    if on_gpu:
         model = model.cuda()
     return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
 

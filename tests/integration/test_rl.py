@@ -101,6 +101,15 @@ def test_hf_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):
     assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3
 
 
+def test_cuda_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):
+    """rl.rollout.engine=cuda reaches our engine (eager on CPU, fp32): 2 GRPO steps, weight sync checked."""
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.rollout.engine=cuda", "rl.total_steps=2")
+    assert result.num_steps == 2
+    diffs = metric(root, "rollout/logprob_diff_max")
+    assert diffs and max(diffs) < 1e-3
+    assert max(metric(root, "response_length/mean")) > 0
+
+
 BAD_REWARD = '''
 import math, time, zlib
 from stages.rewards import default_compute_score
