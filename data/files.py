@@ -63,6 +63,7 @@ class Splits:
     train: list[Example]
     validation: list[Example]
     num_skipped_rows: int = 0
+    sft_extra: list[Example] = field(default_factory=list)  # SFT-only rows about `train` problems
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ validation never share a question. Repeated entries in `operators` are ignored.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from data.files import Example, Splits
 from infra.config import DataConfig, SyntheticTaskConfig
@@ -125,7 +125,21 @@ def to_example(problem: Problem, index: int) -> Example:
 def load_synthetic(cfg: DataConfig, seed: int) -> Splits:
     """source=synthetic: generated problems (no rows to skip)."""
     train, validation = generate(cfg.synthetic, seed)
+    examples = [to_example(p, i) for i, p in enumerate(train)]
     return Splits(
-        train=[to_example(p, i) for i, p in enumerate(train)],
+        train=examples,
         validation=[to_example(p, i) for i, p in enumerate(validation)],
+        sft_extra=shortcut_copies(examples, cfg.synthetic.shortcut_fraction, seed),
     )
+
+
+def shortcut_copies(train: list[Example], fraction: float, seed: int) -> list[Example]:
+    """SFT rows that answer training problems with only `#### N`, so that they make up `fraction` of the SFT
+    set while every problem keeps its worked answer too: a model that learned to skip the work part of the
+    time (as from scraped answers without reasoning). The task's reward requires the work, so RL can
+    unlearn the shortcut; arithmetic the model cannot do, RL does not teach it quickly."""
+    count = round(len(train) * fraction / (1 - fraction))
+    rng, order = random.Random(f"shortcut-{seed}"), []
+    while len(order) < count:
+        order += rng.sample(range(len(train)), len(train))
+    return [replace(train[i], response=f"#### {train[i].ground_truth}") for i in order[:count]]

@@ -46,6 +46,11 @@ class SyntheticTaskConfig(Section):
     num_terms: int = Field(3, ge=2, le=6, description="Operands per problem (difficulty).")
     max_operand: int = Field(50, ge=2, le=10**6, description="Operands are drawn from [1, max_operand].")
     operators: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1, description="Operators used.")
+    shortcut_fraction: float = Field(
+        0.0, ge=0.0, le=0.9,
+        description="Share of SFT rows answering with only '#### N' (no work): extra SFT-only copies of training "
+        "problems on top of their worked answers; RL prompts are unchanged.",
+    )
 
 
 class ColumnMapping(Section):

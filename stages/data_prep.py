@@ -6,7 +6,8 @@
   `prompt` list<struct<role: string, content: string>>, `ability` string,
   `reward_model` struct<style: string ("rule"), ground_truth: string>,
   `extra_info` struct<split: string, index: int64, question: string, answer: string, ...>;
-- `sft_train.parquet`, `sft_validation.parquet`: `prompt` (same chat list) and `response` string;
+- `sft_train.parquet`, `sft_validation.parquet`: `prompt` (same chat list) and `response` string (the
+  train split's rows plus any SFT-only rows of the recipe, e.g. the synthetic task's shortcut answers);
 - `stats.json`, also returned.
 
 Every row is validated and every table built before the first file is written, so a bad row leaves no
@@ -79,12 +80,13 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     tables = {
         "train.parquet": rl_table(train, "train", schema),
         "validation.parquet": rl_table(validation, "validation", schema),
-        "sft_train.parquet": sft_table(train),
+        "sft_train.parquet": sft_table(train + _about(splits.sft_extra, train)),
         "sft_validation.parquet": sft_table(validation),
     }
     stats = {
         "source": cfg.source,
         "num_train": len(train),
+        "num_sft_extra": len(tables["sft_train.parquet"]) - len(train),
         "num_validation": len(validation),
         "num_skipped_rows": splits.num_skipped_rows,
         "num_train_dropped_by_cap": train_dropped,
@@ -98,6 +100,12 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     logger.info("data prep (%s): %d train, %d validation rows -> %s", cfg.source, len(train), len(validation), out_dir)
     return stats
+
+
+def _about(extra: list[Example], train: list[Example]) -> list[Example]:
+    """The SFT-only rows whose problem is still in the (capped) train split."""
+    kept = {e.index for e in train}
+    return [e for e in extra if e.index in kept]
 
 
 def _cap(examples: list[Example], cap: int | None, key: str) -> tuple[list[Example], int]:

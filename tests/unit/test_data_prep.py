@@ -105,6 +105,19 @@ def test_caps_counted(tmp_path):
     assert len(rows(tmp_path / "sft_train.parquet")) == 10
 
 
+def test_shortcut_rows_are_extra_sft_rows_only(tmp_path):
+    cfg = synthetic_cfg(num_train=40, shortcut_fraction=0.6)
+    stats = run_data_prep(cfg, 0, tmp_path)
+    sft, train = rows(tmp_path / "sft_train.parquet"), rows(tmp_path / "train.parquet")
+    shortcuts = [r for r in sft if r["response"].startswith("####")]
+    assert len(train) == 40 and stats["num_sft_extra"] == len(shortcuts) == 60  # 60 / (40 + 60) = 0.6
+    worked = {r["prompt"][0]["content"]: r["response"] for r in sft if not r["response"].startswith("####")}
+    assert sorted(worked) == sorted(r["prompt"][0]["content"] for r in train)  # every problem keeps its work
+    for r in shortcuts:  # a shortcut answers a training problem, with its right answer and no work
+        assert r["response"] == "#### " + worked[r["prompt"][0]["content"]].rsplit("#### ", 1)[1]
+    assert all("=" in r["extra_info"]["answer"] for r in train)  # RL rows keep the worked reference answer
+
+
 # --------------------------------------------------------------------------------------------------
 # GSM8K
 
