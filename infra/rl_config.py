@@ -56,6 +56,9 @@ class ActorConfig(_Optim):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("low_var_kl", description="k1 | k2 | k3 | abs | mse | low_var_kl, '+' forms too.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    use_remove_padding: bool | None = Field(
+        None, description="Pack sequences without padding in actor/reference forwards (verl's use_remove_padding); "
+        "None: on with CUDA (varlen flash attention), off on CPU (where it loops over sequences).")
 
 
 class CriticConfig(_Optim):

@@ -103,7 +103,9 @@ class ActorRolloutWorker:
 
     def _sharded(self, model) -> TokenLogprobs:
         param_dtype = DTYPES[self.cfg.model.dtype] if self.device.type == "cuda" else None
-        return shard(TokenLogprobs(model.to(self.device)), param_dtype)
+        pack = self.rl.actor.use_remove_padding
+        pack = self.device.type == "cuda" if pack is None else pack
+        return shard(TokenLogprobs(model.to(self.device), pack=pack), param_dtype)
 
     # ---- rollout -------------------------------------------------------------------------------
 

@@ -84,7 +84,8 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
     ["rl.algorithm.adv_estimator=dr_grpo", "rl.actor.loss_agg_mode=seq-mean-token-sum-norm",
      "rl.algorithm.use_kl_in_reward=true", "rl.algorithm.kl_ctrl_type=adaptive"],
     ["model.lora.rank=8", "rl.actor.use_kl_loss=true", "rl.actor.lr=1e-3"],
-], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss"])
+    ["rl.actor.use_remove_padding=true", "rl.actor.use_kl_loss=true"],
+], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss", "packed"])
 def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):
     result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.total_steps=2", "rl.val_before_train=false",
                        *overrides)
