@@ -111,6 +111,12 @@ class RewardConfig(_Section):
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scorer timeout; a timeout scores 0.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO: penalise the last N tokens before max (0: off).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO: penalty at max length.")
+    reward_model_path: str | None = Field(
+        None, description="A one-label AutoModelForSequenceClassification reward model (folder or hub id), run in "
+        "its own Ray worker; None: off. Its score is added to the rule score: score = rule + weight * rm.")
+    reward_model_weight: float = Field(1.0, allow_inf_nan=False,
+                                       description="Weight of the reward model's score in the sample score.")
+    reward_model_batch_size: int = Field(16, gt=0, description="Samples per reward model forward pass.")
 
 
 class RLConfig(_Section):

@@ -1,7 +1,8 @@
 """The RL stage: verl's single-controller loop (HybridFlow) on Ray workers, runnable without Prefect.
 
 One step: sample prompts -> generate n samples each (vLLM or hf, colocated with the trainer) -> score
-(process pool with timeouts; DAPO dynamic sampling keeps generating until enough groups have varied
+(process pool with timeouts, plus `rl.reward.reward_model_weight` times a reward model's score when
+`rl.reward.reward_model_path` is set; DAPO dynamic sampling keeps generating until enough groups have varied
 rewards) -> old/ref logprobs and values -> advantages on the driver (stages/core registries) -> critic
 and actor updates -> weight sync into the engine, checked against the trainer -> metrics and
 trajectories to the store -> validation every `test_freq`, checkpoint every `save_freq`.
@@ -44,6 +45,7 @@ from stages.validation import group_metrics
 from stages.workers.actor_rollout import ActorRolloutWorker
 from stages.workers.critic import CriticWorker
 from stages.workers.group import Placement, WorkerGroup, init_ray
+from stages.workers.reward_model import RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +98,13 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train), self.rl.train_batch_size, cfg.run.seed)
         self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
         self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
-        self.placement, self.actor, self.critic = None, None, None
+        self.placement, self.actor, self.critic, self.reward_model = None, None, None, None
+        use_rm = self.rl.reward.reward_model_path is not None
         try:
-            self.placement = Placement(cfg.ray, num_roles=2 if self.rl.uses_critic else 1)
+            self.placement = Placement(cfg.ray, num_roles=1 + self.rl.uses_critic + use_rm)
             self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir, self.placement)
             self.critic = WorkerGroup(CriticWorker, cfg, model_dir, self.placement) if self.rl.uses_critic else None
+            self.reward_model = self._start_reward_model() if use_rm else None
         except BaseException:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
@@ -221,6 +225,11 @@ class RLTrainer:
                 batch.meta["extra_info"])
         ])
         scores = torch.tensor(result.scores, dtype=torch.float32)
+        if self.reward_model:  # score = rule + weight * rm; the raw RM score is the component "rm"
+            rm = self.rm_scores(batch.meta["prompt_row"], batch.meta["response"])
+            scores = scores + reward.reward_model_weight * torch.tensor(rm, dtype=torch.float32)
+            result.components["rm"] = rm
+            result.metrics["reward/rm/mean"] = sum(rm) / max(len(rm), 1)
         lengths = batch.response_mask.sum(-1).tolist()
         penalty = torch.tensor(overlong_penalty(lengths, self.cfg.data.max_response_length, reward.overlong_buffer,
                                                 reward.overlong_penalty_factor), dtype=torch.float32)
@@ -240,6 +249,9 @@ class RLTrainer:
                                   self.train.ground_truths[indices[o.prompt_index]],
                                   self.train.extra_infos[indices[o.prompt_index]]) for o in outputs]
         greedy = self.rewards.score(requests).scores
+        if self.reward_model:
+            rm = self.rm_scores([indices[o.prompt_index] for o in outputs], [r.solution_str for r in requests])
+            greedy = [s + self.rl.reward.reward_model_weight * r for s, r in zip(greedy, rm)]
         by_row = {indices[o.prompt_index]: s for o, s in zip(outputs, greedy)}
         return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
 
@@ -252,6 +264,26 @@ class RLTrainer:
         for g, v in zip(batch.meta["group_id"], values):
             by_group.setdefault(g, set()).add(round(float(v), 6))
         return batch.select([i for i, g in enumerate(batch.meta["group_id"]) if len(by_group[g]) > 1])
+
+    def _start_reward_model(self):
+        """The reward model's Ray actor on bundle 0, with one role's share of it (like a critic rank)."""
+        import ray
+
+        handle = ray.remote(**self.placement.share)(RewardModelWorker).options(
+            scheduling_strategy=self.placement.strategy(0)).remote(self.cfg)
+        try:
+            ray.get(handle.__ray_ready__.remote())  # a bad path or a model without a reward head fails here
+        except BaseException:
+            ray.kill(handle)
+            raise
+        return handle
+
+    def rm_scores(self, prompt_rows: list[int], responses: list[str]) -> list[float]:
+        """The reward model's score of each (train prompt row's chat messages, response) pair."""
+        import ray
+
+        prompts = [[{"role": m["role"], "content": m["content"]} for m in self.train.prompts[r]] for r in prompt_rows]
+        return ray.get(self.reward_model.score.remote(prompts, list(responses)))
 
     # ---- advantages ----------------------------------------------------------------------------------
 
@@ -369,5 +401,9 @@ class RLTrainer:
         for group in (self.actor, self.critic):
             if group:
                 group.kill()
+        if self.reward_model:
+            import ray
+
+            ray.kill(self.reward_model)
         if self.placement:
             self.placement.remove()
