@@ -15,6 +15,9 @@ left-to-right steps agree and no "evaluate left to right" wording is needed. Res
 Problems are drawn without replacement from the whole problem space (operands and operators as mixed-radix
 digits of one index) with `random.Random(seed)`, so the same seed gives the same problems, and train and
 validation never share a question. Repeated entries in `operators` are ignored.
+
+`shortcut_fraction` > 0 adds SFT-only rows that answer with `#### N` and no work (`shortcut_copies`); the
+demo uses it so that RL has a behaviour to learn (see README, "make demo").
 """
 
 from __future__ import annotations
