@@ -119,8 +119,8 @@ def _columns(con, view: str) -> set[str]:
 def _rollout_extremes(con, run_id: str, k: int) -> tuple[list[dict], list[dict]]:
     """k best and k worst rollouts by score; the worst never repeat the best (a run whose scores are all equal).
 
-    Ties: the later step, the larger (best) or smaller (worst) advantage, then the first sample of each group,
-    so that equal scores show different prompts.
+    Ties: first one sample of each group (step, group_id), so the lists show different prompts where they
+    can; then the later step, the larger (best) or smaller (worst) advantage, then the first sample.
     """
     cols = _columns(con, "rollouts")
     if "score" not in cols:
@@ -130,10 +130,14 @@ def _rollout_extremes(con, run_id: str, k: int) -> tuple[list[dict], list[dict]]
     select = ", ".join(c for c in wanted if c in cols)
     ids = "".join(f", {c}" for c in ("sample_index", "group_id") if c in cols)
     found = []
+    grouped = {"step", "group_id"} <= set(cols)
     for order, limit in (("DESC", k), ("ASC", 2 * k)):
         adv = f", advantage {order} NULLS LAST" if "advantage" in cols else ""
-        found.append(_rows(con, f"SELECT {select} FROM rollouts WHERE run_id = ? AND score IS NOT NULL "
-                                f"ORDER BY score {order}, step DESC{adv}{ids} LIMIT ?", [run_id, limit]))
+        rank = (f"row_number() OVER (PARTITION BY step, group_id ORDER BY score {order}{adv}{ids})" if grouped
+                else "1")
+        found.append(_rows(con, f"SELECT {select} FROM (SELECT *, {rank} AS _rank FROM rollouts WHERE run_id = ? "
+                                f"AND score IS NOT NULL) ORDER BY score {order}, _rank, step DESC{adv}{ids} LIMIT ?",
+                           [run_id, limit]))
     best, worst = found
     keys = {tuple(r.get(c) for c in ("step", "group_id", "sample_index")) for r in best}
     worst = [r for r in worst if tuple(r.get(c) for c in ("step", "group_id", "sample_index")) not in keys]

@@ -113,10 +113,10 @@ def test_every_plot_is_an_embedded_png(local):
 def test_best_and_worst_rollouts_and_escaping(local):
     write_run(local)
     data = report.read_run(local, RUN, num_rollouts=3)
-    # best: score 1.0, latest step first, then larger advantage (all 0.5 here), then group and sample:
-    # step 4 has three 1.0 samples (0, 1 and 3)
+    # best: score 1.0, one sample per group first, latest step first: step 4's groups (4.0 and 4.1 share
+    # group 4-0-0, so 4.1 waits), then step 3's first group
     assert [(r["step"], r["score"], r["prompt"]) for r in data.best] == [
-        (4, 1.0, "prompt 4.0"), (4, 1.0, "prompt 4.1"), (4, 1.0, "prompt 4.3")]
+        (4, 1.0, "prompt 4.0"), (4, 1.0, "prompt 4.3"), (3, 1.0, "prompt 3.0")]
     # worst: score 0.0, latest step first: step 4 has one (2), step 3 one (1), then step 2's first (0 of 0, 2)
     assert [(r["step"], r["score"], r["prompt"]) for r in data.worst] == [
         (4, 0.0, "prompt 4.2"), (3, 0.0, "prompt 3.1"), (2, 0.0, "prompt 2.0")]
