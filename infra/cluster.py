@@ -215,14 +215,14 @@ def _stop_session(leader: int, grace_s: float) -> None:
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + grace_s
-    while _members(leader) and time.monotonic() < deadline:
+    while session_members(leader) and time.monotonic() < deadline:
         _reap(leader)
         time.sleep(0.5)
     _kill_members(leader, signal.SIGKILL)
     _reap(leader)
 
 
-def _members(session: int) -> list[int]:
+def session_members(session: int) -> list[int]:
     """Live processes of a session (zombies excluded)."""
     import psutil
 
@@ -237,7 +237,7 @@ def _members(session: int) -> list[int]:
 
 
 def _kill_members(session: int, sig: int) -> None:
-    for pid in _members(session):
+    for pid in session_members(session):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

@@ -129,6 +129,19 @@ def tiny_model_dir(tiny_config, tiny_data_dir, tmp_path_factory):
                             tmp_path_factory.mktemp("tiny-model"))
 
 
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray instance per test module (2 CPUs); modules opt in with usefixtures("ray_cluster")."""
+    import ray
+
+    from infra.config import RayConfig
+    from stages.workers.group import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
 def pytest_sessionfinish(session, exitstatus):
     """Stop Prefect's temporary server while pytest's output capture is still open (its atexit hook
     would otherwise log to a closed stream)."""

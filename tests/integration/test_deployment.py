@@ -15,9 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
+from infra.cluster import session_members
 from infra.sql import query
 from infra.store import ArtifactStore
 from tests.conftest import TINY_OVERRIDES, free_port
@@ -34,17 +34,6 @@ TINY_RL = [f"rl.total_steps={RL_STEPS}", "rl.train_batch_size=8", "rl.rollout.n=
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def session(pid: int) -> list[int]:
-    """Live processes of the session `pid` leads (what a process started with start_new_session spawned)."""
-    found = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == pid:
-                found.append(proc.pid)
-        except (OSError, psutil.Error):
-            continue
-    return found
-
 
 def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
     """Ctrl-C (Prefect's graceful shutdown), then SIGKILL whatever of its session is left (flow runs, Ray)."""
@@ -54,7 +43,7 @@ def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
             process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
-    for pid in session(process.pid):
+    for pid in session_members(process.pid):
         os.kill(pid, signal.SIGKILL)
     process.wait(timeout=30)
 

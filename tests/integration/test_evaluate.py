@@ -8,7 +8,7 @@ from importlib.util import find_spec
 
 import pytest
 
-from infra.config import RayConfig, load_config
+from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
 from infra.trajectories import EVAL_COLUMNS, RunTables
@@ -16,7 +16,7 @@ from stages.evaluate import ALL, comparison_markdown, comparison_rows, eval_rows
 from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_merge import spread_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster"), pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
 
 N = 4
 NUM_PROMPTS = 12
@@ -26,17 +26,6 @@ REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info):
     return float((len(solution_str) + len(str(ground_truth))) % 2)
 '''
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    from stages.workers.group import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

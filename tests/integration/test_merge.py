@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import RayConfig, load_config
+from infra.config import load_config
 from infra.store import ArtifactStore
 from infra.trajectories import RunTables
 from infra.tracking import Tracker
@@ -32,7 +32,7 @@ from stages.merge import (
 )
 from tests.conftest import TINY_OVERRIDES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 PROJECT = Path(__file__).resolve().parents[2]
 RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.rollout.engine=hf",
       "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.test_freq=0", "rl.save_freq=0",
@@ -61,17 +61,6 @@ def spread_model(src: Path, out: Path, std: float = 0.15) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    from stages.workers.group import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 
-from infra.cluster import ClusterState
+from infra.cluster import ClusterState, session_members
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -50,16 +49,6 @@ def cli(state_dir: Path, *args: str, timeout: float = 240) -> subprocess.Complet
                           timeout=timeout)
 
 
-def session(pid: int) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == pid:
-                found.append(proc.pid)
-        except (OSError, psutil.Error):
-            continue
-    return found
-
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
@@ -74,7 +63,7 @@ def head(tmp_path_factory):
     finally:
         if ClusterState.read(state_dir):
             cli(state_dir, "down")
-        for pid in session(state.pid):  # only if down failed: this head's processes, nothing else
+        for pid in session_members(state.pid):  # only if down failed: this head's processes, nothing else
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -131,12 +120,12 @@ def test_two_flow_runs_attach_to_the_cluster_and_leave_it_idle(head, tmp_path):
 
 def test_down_stops_every_process_of_the_head_and_nothing_else(head):
     state_dir, state, _ = head
-    assert len(session(state.pid)) >= 3  # ray start, gcs_server, raylet, ...
+    assert len(session_members(state.pid)) >= 3  # ray start, gcs_server, raylet, ...
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         done = cli(state_dir, "down")
         assert done.returncode == 0 and f"stopped the Ray head at {state.address}" in done.stdout
-        assert session(state.pid) == [] and ClusterState.read(state_dir) is None
+        assert session_members(state.pid) == [] and ClusterState.read(state_dir) is None
         assert bystander.poll() is None
     finally:
         bystander.kill()

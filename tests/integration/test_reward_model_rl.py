@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import RayConfig, load_config
+from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
 from infra.trajectories import RunTables
@@ -18,24 +18,13 @@ from stages.rewards import default_compute_score
 from stages.rewards.reward_model import RewardModelScorer
 from tests.conftest import TINY_OVERRIDES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 WEIGHT = 0.5
 RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=4", "rl.rollout.n=4",
       "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.val_before_train=false",
       "rl.max_validation_samples=4", "rl.reward.num_workers=1", "data.max_response_length=40",
       f"rl.reward.reward_model_weight={WEIGHT}", "rl.reward.reward_model_batch_size=5"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    from stages.workers.group import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import RayConfig, load_config
+from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
 from infra.trajectories import RunTables
@@ -18,7 +18,7 @@ from infra.tracking import Tracker
 from stages.model.loading import load_model
 from tests.conftest import TINY_OVERRIDES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
       "rl.actor.micro_batch_size=16", "rl.test_freq=2", "rl.save_freq=2", "rl.max_validation_samples=8",
@@ -28,17 +28,6 @@ VERL_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/ent
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "perf/throughput",
                 "rollout/logprob_diff_max", "reward/errors", "reward/timeouts"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    from stages.workers.group import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
 
 
 def run(tiny_data_dir, tiny_model_dir, tmp_path, *overrides):
