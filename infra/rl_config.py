@@ -32,6 +32,13 @@ class _Optim(_Section):
     use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead.")
     max_token_len_per_device: int = Field(4096, gt=0, description="Token budget per micro-batch (dynamic).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each step's batch.")
+    reshard_after_forward: bool | None = Field(
+        None, description="FSDP2: free each layer's gathered weights after forward and gather them again in backward "
+        "(ZeRO-3, least memory), or keep them until backward. None: keep them on one device, or on several when the "
+        "model's bf16 weights + fp32 gradients take <= 1/4 of a GPU's memory; free them otherwise.")
+    grad_sync_every_micro_batch: bool | None = Field(
+        None, description="FSDP2: reduce-scatter gradients after every micro-batch (least memory), or once per "
+        "mini-batch (fewer collectives; unsharded gradients kept in between). None: as reshard_after_forward.")
 
     def optim(self):
         """This section's optimizer fields as the shared `OptimConfig`."""
@@ -59,6 +66,12 @@ class ActorConfig(_Optim):
     use_remove_padding: bool | None = Field(
         None, description="Pack sequences without padding in actor/reference forwards (verl's use_remove_padding); "
         "None: on with CUDA (varlen flash attention), off on CPU (where it loops over sequences).")
+    use_torch_compile: bool | None = Field(
+        None, description="torch.compile each decoder layer and the logprob head (actor and reference; dynamic "
+        "shapes, a minute or two of compilation in the first step). None: on with CUDA, off on CPU.")
+    logprob_chunk_tokens: int | None = Field(
+        None, gt=0, description="Tokens per chunk of the vocabulary projection (logits never exist for the whole "
+        "micro-batch: chunk x vocab values at a time). None: 8192 with CUDA, 1024 on CPU.")
 
 
 class CriticConfig(_Optim):
@@ -73,6 +86,7 @@ class RolloutConfig(_Section):
         "with CUDA graphs, stages/rollout/cuda_engine.py; Qwen2/Llama; also runs on CPU, slowly)."
     )
     n: int = Field(8, gt=0, description="Samples per prompt.")
+    max_num_seqs: int = Field(256, gt=0, description="vllm and cuda engines: sequences generated at once.")
     temperature: float = Field(1.0, gt=0, description="Training sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1: off.")

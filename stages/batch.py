@@ -47,6 +47,22 @@ class Batch:
                 "position_ids": t["position_ids"], "num_response_tokens": self.num_response_tokens}
 
 
+def to_device(values: dict, device: torch.device) -> dict:
+    """`values`' tensors (also inside nested dicts) copied to `device` without stopping the host: through
+    pinned memory with non_blocking, so each copy waits in the device's queue; a plain copy from pageable
+    memory would wait for every kernel queued before it, leaving the device idle while the host catches up."""
+    def move(value):
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        if not torch.is_tensor(value) or value.device == device:
+            return value
+        if device.type == "cuda" and value.device.type == "cpu":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
+
+    return move(values)
+
+
 def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], rollout_logprobs: list[list[float]],
                 pad_token_id: int, meta: dict[str, list] | None = None) -> Batch:
     """Pad samples into verl's layout. Every response must have at least one token."""

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.model.policy import hf_parts
 
@@ -65,13 +65,17 @@ def init_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "1
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
 
 
-def shard(module: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+def shard(module: nn.Module, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, norm, head and any value head); gradients
-    are summed over ranks (see the module docstring)."""
+    are summed over ranks (see the module docstring). param_dtype: compute in it (mixed precision: the
+    sharded parameters keep their dtype, fp32 master weights for a trained model); reshard_after_forward:
+    free each layer's gathered weights after forward (see `rl.actor.reshard_after_forward`; `reshard` frees
+    them after a forward without backward)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs.update({"mp_policy": policy} if policy else {})
     body, _ = hf_parts(module.lm)
     units = [*body.layers, module]
     for unit in units:
@@ -80,6 +84,14 @@ def shard(module: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Modul
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no AVG / PREMUL_SUM
     return module
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered weights a forward without backward leaves behind when reshard_after_forward is off
+    (a no-grad pass would otherwise keep the whole model unsharded next to the rollout engine)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

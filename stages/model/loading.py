@@ -29,6 +29,12 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     return tokenizer
 
 
+def compute_dtype(cfg: ModelConfig) -> torch.dtype | None:
+    """What a trained model computes in, when not in its fp32 master weights: `model.dtype` (FSDP2 mixed
+    precision casts the weights for each forward; optimizer state and updates stay fp32)."""
+    return None if cfg.dtype == "float32" else DTYPES[cfg.dtype]
+
+
 def load_model(path: str | Path, cfg: ModelConfig, *, trainable: bool = True) -> PreTrainedModel:
     """The causal LM at `path` in `cfg.dtype`, wrapped with LoRA when `cfg.lora` is set and trainable."""
     model = AutoModelForCausalLM.from_pretrained(

@@ -102,12 +102,15 @@ class TokenLogprobs(nn.Module):
             use_packed_attention(lm)
 
     def forward(self, input_ids, attention_mask, position_ids, num_response_tokens: int, temperature: float = 1.0,
-                with_entropy: bool = False, entropy_grad: bool = True):
+                with_entropy: bool = False, entropy_grad: bool = True, packed: dict | None = None):
+        """`packed`: `pack_rows` of these rows, computed where the batch is (on the host: reading lengths
+        from device tensors would make the host wait for the device)."""
         body, lm_head = hf_parts(self.lm)
         r = num_response_tokens
         head = {**self.head, "entropy_grad": entropy_grad}
         if self.pack:
-            return self._packed(body, lm_head, input_ids, attention_mask, r, temperature, with_entropy, head)
+            packed = pack_rows(input_ids, attention_mask, r) if packed is None else packed
+            return self._packed(body, lm_head, packed, temperature, with_entropy, head)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state  # (B, L, H)
         predicting = hidden[:, -r - 1 : -1]  # (B, R, H)
@@ -115,9 +118,7 @@ class TokenLogprobs(nn.Module):
         return chunked_logprobs(predicting, lm_head.weight, targets, temperature, with_entropy, self.chunk_tokens,
                                 **head)
 
-    def _packed(self, body, lm_head, input_ids, attention_mask, r: int, temperature: float, with_entropy: bool,
-                head: dict):
-        packed = pack_rows(input_ids, attention_mask, r)
+    def _packed(self, body, lm_head, packed: dict, temperature: float, with_entropy: bool, head: dict):
         cu, longest = packed["cu_seqlens"], packed["max_seqlen"]
         hidden = body(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
                       use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,

@@ -68,7 +68,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 1024,
                  enforce_eager: bool = True, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
-                 external_launcher: bool = False):
+                 external_launcher: bool = False, max_num_seqs: int = 256):
         """`external_launcher`: join the torch.distributed world this process already belongs to (RANK and
         LOCAL_RANK set, as torchrun does) instead of creating one; with tensor parallel size 1 every rank's
         engine then generates on its own (data-parallel rollout next to FSDP training in that world)."""
@@ -90,7 +90,7 @@ class VLLMRolloutEngine:
         with _without_proxy_modules():
             self.llm = vllm.LLM(
                 model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                 enable_sleep_mode=enable_sleep_mode, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION_CLS,
                 **budget,
             )

@@ -26,21 +26,22 @@ import torch
 import torch.distributed as dist
 
 from infra.config import Config
-from stages.batch import Batch, build_batch
+from stages.batch import Batch, build_batch, to_device
 from stages.model.fsdp import (
     full_state_dict,
     hf_weights,
     init_process_group,
     iter_hf_weights,
     load_train_state,
+    reshard,
     save_train_state,
     shard,
 )
-from stages.model.loading import DTYPES, load_model, load_tokenizer
+from stages.model.loading import compute_dtype, load_model, load_tokenizer
 from stages.model.optim import build_optimizer, build_scheduler
-from stages.model.policy import TokenLogprobs
+from stages.model.policy import TokenLogprobs, compile_layers, pack_rows
 from stages.rollout.base import RolloutOutput, SamplingParams
-from stages.workers.actor_update import all_reduce, micro_batches, update_policy
+from stages.workers.actor_update import all_reduce, micro_batches, reshard_after_forward, update_policy
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def make_engine(cfg: Config, model_dir: str):
         return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
                                  enforce_eager=rollout.enforce_eager,
                                  gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                 enable_sleep_mode=torch.cuda.is_available(), external_launcher=True)
+                                 enable_sleep_mode=torch.cuda.is_available(), external_launcher=True,
+                                 max_num_seqs=rollout.max_num_seqs)
     if rollout.engine not in ("hf", "cuda"):
         raise ValueError(f"rl.rollout.engine={rollout.engine!r} is not an engine: set it to vllm, hf or cuda")
     tokenizer = load_tokenizer(model_dir)
@@ -68,11 +70,12 @@ def make_engine(cfg: Config, model_dir: str):
         from stages.rollout.cuda_engine import CudaRolloutEngine
 
         # The engine copies the weights into its own fused layout (the HF model is not kept) and holds a
-        # static KV cache of max_num_seqs rows x (prompt + response) positions; bf16 on GPU, the model's
-        # dtype (fp32 in the CPU tests) elsewhere.
+        # static KV cache of rl.rollout.max_num_seqs rows x (prompt + response) positions; bf16 on GPU, the
+        # model's dtype (fp32 in the CPU tests) elsewhere.
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=256, max_model_len=max_len,
-                                 device="cuda" if on_gpu else "cpu", dtype=torch.bfloat16 if on_gpu else None)
+        return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=rollout.max_num_seqs,
+                                 max_model_len=max_len, device="cuda" if on_gpu else "cpu",
+                                 dtype=torch.bfloat16 if on_gpu else None)
     from stages.rollout.hf import HFRolloutEngine
 
     if on_gpu:
@@ -89,10 +92,12 @@ class ActorRolloutWorker:
         init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
         self.engine = make_engine(cfg, model_dir)
         torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
-        model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing})
+        # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
+        model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing,
+                                                 "dtype": "float32"})
         self.actor = self._sharded(load_model(model_dir, model_cfg))
         self.ref = None
-        if self.rl.uses_reference and cfg.model.lora is None:
+        if self.rl.uses_reference and cfg.model.lora is None:  # frozen: stored in model.dtype
             self.ref = self._sharded(load_model(model_dir, cfg.model, trainable=False))
         optim = self.rl.actor.optim()
         self.optimizer = build_optimizer(self.actor.parameters(), optim)
@@ -102,10 +107,15 @@ class ActorRolloutWorker:
         torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)
 
     def _sharded(self, model) -> TokenLogprobs:
-        param_dtype = DTYPES[self.cfg.model.dtype] if self.device.type == "cuda" else None
-        pack = self.rl.actor.use_remove_padding
-        pack = self.device.type == "cuda" if pack is None else pack
-        return shard(TokenLogprobs(model.to(self.device), pack=pack), param_dtype)
+        """The model as a sharded TokenLogprobs with the actor's device settings (None: on with CUDA)."""
+        actor, cuda = self.rl.actor, self.device.type == "cuda"
+        pack = cuda if actor.use_remove_padding is None else actor.use_remove_padding
+        compiled = cuda if actor.use_torch_compile is None else actor.use_torch_compile
+        chunk = actor.logprob_chunk_tokens or (8192 if cuda else 1024)
+        if compiled:
+            compile_layers(model)
+        module = TokenLogprobs(model.to(self.device), chunk_tokens=chunk, pack=pack, compile_head=compiled)
+        return shard(module, compute_dtype(self.cfg.model), reshard_after_forward(actor, model))
 
     # ---- rollout -------------------------------------------------------------------------------
 
@@ -131,6 +141,9 @@ class ActorRolloutWorker:
                 lp, ent = model(**self._inputs(batch.select(rows)), temperature=self.rl.rollout.temperature,
                                 with_entropy=with_entropy)
                 logprobs[rows], entropy[rows] = lp.float().cpu(), ent.float().cpu()
+            # inside the context: leaving peft's disable_adapter re-enables requires_grad on the parameters
+            # registered then, which must be the sharded ones that the optimizer holds
+            reshard(model)
         return logprobs, entropy
 
     def _role(self, role: str):
@@ -143,9 +156,15 @@ class ActorRolloutWorker:
         raise ValueError("no reference model: set rl.actor.use_kl_loss or rl.algorithm.use_kl_in_reward")
 
     def _inputs(self, values: Batch | dict) -> dict:
-        """Tensors moved to this worker's device (a Batch gives its model inputs)."""
-        values = values.model_inputs() if isinstance(values, Batch) else values
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in values.items()}
+        """Tensors moved to this worker's device; a Batch gives its model inputs, packed on the host when the
+        models pack (see `to_device`: the host never waits for the device here)."""
+        if isinstance(values, Batch):
+            inputs = values.model_inputs()
+            if self.actor.pack:
+                inputs["packed"] = pack_rows(inputs["input_ids"], inputs["attention_mask"],
+                                             inputs["num_response_tokens"])
+            values = inputs
+        return to_device(values, self.device)
 
     # ---- training ----------------------------------------------------------------------------------
 
@@ -173,13 +192,15 @@ class ActorRolloutWorker:
         return metrics
 
     def _check_engine(self, prompts: list[list[int]]) -> float:
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.rl.rollout.logprob_check_tokens)
+        tokens = min(self.rl.rollout.logprob_check_tokens, self.cfg.data.max_response_length)  # fits the engine
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=tokens)
         outs = self.generate(prompts, params)
         batch = build_batch([prompts[o.prompt_index] for o in outs], [o.response_ids for o in outs],
                             [o.logprobs for o in outs], pad_token_id=0)
         self.actor.eval()
         with torch.no_grad():
             lp, _ = self.actor(**self._inputs(batch), temperature=1.0)
+        reshard(self.actor)
         mask = batch.response_mask
         local = ((lp.cpu() - batch.tensors["rollout_logprobs"]).abs() * mask).max()
         diff = float(all_reduce(local, dist.ReduceOp.MAX))  # every rank raises, or none

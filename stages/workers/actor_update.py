@@ -24,26 +24,35 @@ from stages.batch import Batch
 from stages.core import POLICY_LOSSES, agg_loss, kl_loss, loss_denominators, masked_mean
 
 logger = logging.getLogger(__name__)
+LOSS_INPUTS = ("old_logprobs", "ref_logprobs", "advantages", "response_mask")  # besides the model's inputs
 
 
 def micro_batches(batch: Batch, cfg: _Optim) -> list[list[int]]:
-    """Row groups: `micro_batch_size` rows each, or (dynamic) at most `max_token_len_per_device` tokens; as
-    many groups on every rank (the largest count any rank needs; see `balanced_groups`)."""
-    rows = list(range(len(batch)))
+    """Row groups: `micro_batch_size` rows each, or (dynamic, verl's use_dynamic_bsz) as many groups as a
+    budget of `max_token_len_per_device` tokens each needs, balanced in tokens (so no group is a small
+    remainder; each stays within about one sequence of the budget); as many groups on every rank (the
+    largest count any rank needs; see `balanced_groups`)."""
     lengths = batch.tensors["attention_mask"].sum(-1).tolist()
-    if not cfg.use_dynamic_bsz:
-        groups = [rows[s : s + cfg.micro_batch_size] for s in range(0, len(rows), cfg.micro_batch_size)]
+    if cfg.use_dynamic_bsz:
+        groups = []
+        count = budget_count(lengths, cfg.max_token_len_per_device)
     else:
-        groups, current, tokens = [], [], 0
-        for row in rows:
-            if current and tokens + lengths[row] > cfg.max_token_len_per_device:
-                groups.append(current)
-                current, tokens = [], 0
-            current.append(row)
-            tokens += lengths[row]
-        groups = groups + [current] if current else groups
-    count = int(all_reduce(torch.tensor(float(len(groups))), dist.ReduceOp.MAX))
+        rows = list(range(len(lengths)))
+        groups = [rows[s : s + cfg.micro_batch_size] for s in range(0, len(rows), cfg.micro_batch_size)]
+        count = len(groups)
+    count = int(all_reduce(torch.tensor(float(count)), dist.ReduceOp.MAX))
     return groups if count == len(groups) else balanced_groups(lengths, count)
+
+
+def budget_count(lengths: list[int], budget: int) -> int:
+    """Micro-batches of at most `budget` tokens that the rows need, filled in order (a row over the budget
+    gets one of its own)."""
+    count, tokens = 0, budget
+    for length in lengths:
+        if tokens + length > budget:
+            count, tokens = count + 1, 0
+        tokens += length
+    return count
 
 
 def balanced_groups(lengths: list[int], count: int) -> list[list[int]]:
@@ -70,6 +79,40 @@ def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return reduced.to(value.device)
 
 
+GATHERED_SHARE = 0.25  # of device memory that a model's gathered bf16 weights + fp32 gradients may take
+
+
+def gathered_fits(model: torch.nn.Module) -> bool:
+    """Whether a rank can hold the whole model gathered: on one device (where the gather is a copy), or when
+    its bf16 weights and fp32 gradients (6 bytes per parameter) take at most GATHERED_SHARE of the GPU's
+    memory. The automatic choice of `reshard_after_forward` and `grad_sync_every_micro_batch`: keeping
+    weights and gradients gathered saves collectives (1.85x instead of 1.67x the 1-GPU throughput on 2
+    H200s for a 0.5B model, bench/results/2026-11-22-gpu-worker.md) but costs memory that large models need."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    params = sum(p.numel() for p in model.parameters())
+    return 6 * params <= GATHERED_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def reshard_after_forward(cfg: _Optim, model: torch.nn.Module) -> bool:
+    """The role's `reshard_after_forward`; None: free the gathered weights after forward unless they fit
+    (`gathered_fits`)."""
+    return not gathered_fits(model) if cfg.reshard_after_forward is None else cfg.reshard_after_forward
+
+
+def accumulate(model, groups: list[list[int]], cfg: _Optim):
+    """Yield the micro-batches' rows; unless `grad_sync_every_micro_batch` (None: unless the gathered model
+    fits, `gathered_fits`), FSDP2 reduces the summed gradients once, after the mini-batch's last one."""
+    every = cfg.grad_sync_every_micro_batch
+    every = not gathered_fits(model) if every is None else every
+    for i, rows in enumerate(groups):
+        if not every:
+            model.set_requires_gradient_sync(i == len(groups) - 1)
+        yield rows
+
+
 def local_mini_rows(cfg: Config) -> int:
     """Rows of one mini-batch on this rank: its share of `ppo_mini_batch_size * n` (the config checks that
     the number of workers divides it)."""
@@ -90,21 +133,26 @@ def grad_norm(module: torch.nn.Module, max_norm: float) -> float:
 
 
 class MetricMeans:
-    """Averages of per-micro-batch metrics, weighted by each micro-batch's valid tokens, over all ranks."""
+    """Averages of per-micro-batch metrics, weighted by each micro-batch's valid tokens, over all ranks.
+
+    Values may be device tensors: they are summed where they are and read once, in `result`, so the
+    micro-batch loop never waits for the device (a host sync per metric would idle it between kernels)."""
 
     def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, float | torch.Tensor] = defaultdict(float)
         self.weights: dict[str, float] = defaultdict(float)
 
-    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
+    def add(self, metrics: dict[str, float | torch.Tensor], weight: float = 1.0) -> None:
         for key, value in metrics.items():
-            self.sums[key] += float(value) * weight
+            value = value.detach().double() if torch.is_tensor(value) else float(value)
+            self.sums[key] = self.sums[key] + value * weight
             self.weights[key] += weight
 
     def result(self) -> dict[str, float]:
         """Global means (a collective: every rank calls it, with the same metric names)."""
         keys = sorted(self.sums)
-        values = torch.tensor([[self.sums[k] for k in keys], [self.weights[k] for k in keys]], dtype=torch.float64)
+        sums = [float(self.sums[k]) for k in keys]
+        values = torch.tensor([sums, [self.weights[k] for k in keys]], dtype=torch.float64)
         sums, weights = all_reduce(values).tolist() if keys else ([], [])
         return {k: s / w for k, s, w in zip(keys, sums, weights) if w > 0}
 
@@ -120,11 +168,11 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, to_device) -> dic
             mini = batch.select(list(range(start, min(start + mini_size, len(batch)))))
             denominators = global_denominators(mini.response_mask)
             mini_loss = 0.0
-            for rows in micro_batches(mini, actor):
+            for rows in accumulate(model, micro_batches(mini, actor), actor):
                 micro = mini.select(rows)
                 loss, metrics = micro_loss(model, micro, denominators, cfg, to_device)
                 loss.backward()
-                mini_loss += float(loss.detach())
+                mini_loss = mini_loss + loss.detach()
                 means.add(metrics, weight=float(micro.response_mask.sum()))
             norm = grad_norm(model, actor.grad_clip)
             if math.isfinite(norm):
@@ -133,17 +181,18 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, to_device) -> dic
                 skipped += 1
                 logger.warning("actor: non-finite gradient norm (%s); optimizer step skipped", norm)
             optimizer.zero_grad(set_to_none=True)
-            global_loss = all_reduce(torch.tensor(mini_loss, dtype=torch.float64))  # the mini-batch's loss
+            global_loss = all_reduce(torch.tensor(float(mini_loss), dtype=torch.float64))  # the mini-batch's loss
             means.add({"actor/grad_norm": norm, "actor/loss": float(global_loss)})
     return {**means.result(), "actor/skipped_steps": skipped}
 
 
 def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
-    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, scaled by the global denominators."""
+    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, scaled by the global denominators; its
+    metrics as device scalars (see MetricMeans)."""
     actor = cfg.rl.actor
-    t = to_device(micro.tensors)
+    t = to_device({k: micro.tensors[k] for k in LOSS_INPUTS if k in micro.tensors})
     logprobs, entropy = model(**to_device(micro), temperature=cfg.rl.rollout.temperature,
-                              with_entropy=True)
+                              with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
     mask = t["response_mask"]
     scale = {**denominators, "max_response_length": cfg.data.max_response_length}
     pg_loss, pg_metrics = POLICY_LOSSES.get(actor.policy_loss)(
@@ -152,19 +201,20 @@ def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
         clip_ratio_c=actor.clip_ratio_c, **scale,
     )
     loss = pg_loss
-    metrics = {k: float(v) for k, v in pg_metrics.items()}
-    metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+    metrics = dict(pg_metrics)
+    metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
     if actor.entropy_coeff > 0:
         loss = loss - actor.entropy_coeff * agg_loss(entropy, mask, actor.loss_agg_mode, **scale)
     if actor.use_kl_loss:
         kl, kl_metrics = kl_loss(logprobs, t["ref_logprobs"], mask, actor.kl_loss_type, actor.loss_agg_mode, **scale)
         loss = loss + actor.kl_loss_coef * kl
-        metrics["actor/kl_loss"] = float(kl.detach()) * local_scale(denominators, mask)
+        metrics["actor/kl_loss"] = kl.detach() * local_scale(denominators, micro.response_mask)
         metrics["actor/kl_coef"] = actor.kl_loss_coef
-    metrics["actor/pg_loss"] = float(pg_loss.detach()) * local_scale(denominators, mask)
+    metrics["actor/pg_loss"] = pg_loss.detach() * local_scale(denominators, micro.response_mask)
     return loss, metrics
 
 
 def local_scale(denominators: dict, mask: torch.Tensor) -> float:
-    """Undo the global token denominator, so a micro-batch's loss metric is its own token mean."""
+    """Undo the global token denominator, so a micro-batch's loss metric is its own token mean (`mask` on the
+    host: no device sync)."""
     return float(denominators["global_num_tokens"]) / max(float(mask.sum()), 1.0)

@@ -15,19 +15,21 @@ from pathlib import Path
 import torch
 
 from infra.config import Config
-from stages.batch import Batch
+from stages.batch import Batch, to_device
 from stages.core import clipped_value_loss
-from stages.model.fsdp import init_process_group, load_train_state, save_train_state, shard
-from stages.model.loading import DTYPES, load_model
+from stages.model.fsdp import init_process_group, load_train_state, reshard, save_train_state, shard
+from stages.model.loading import compute_dtype, load_model
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import ValueModel
 from stages.workers.actor_update import (
     MetricMeans,
+    accumulate,
     global_denominators,
     grad_norm,
     local_mini_rows,
     local_scale,
     micro_batches,
+    reshard_after_forward,
 )
 
 
@@ -39,17 +41,16 @@ class CriticWorker:
         torch.manual_seed(cfg.run.seed + 1000)  # the same initial weights on every rank
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         init_process_group(rank, world_size, master_addr, master_port)
-        model_cfg = cfg.model.model_copy(update={"lora": None, "gradient_checkpointing": False})
-        value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)
-        param_dtype = DTYPES[cfg.model.dtype] if self.device.type == "cuda" else None
-        self.model = shard(value_model, param_dtype)
+        model_cfg = cfg.model.model_copy(update={"lora": None, "gradient_checkpointing": False, "dtype": "float32"})
+        value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)  # fp32 master weights
+        reshard = reshard_after_forward(self.critic_cfg, value_model)
+        self.model = shard(value_model, compute_dtype(cfg.model), reshard)
         optim = self.critic_cfg.optim()
         self.optimizer = build_optimizer(self.model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim, cfg.rl.total_steps)
 
     def _inputs(self, values: Batch | dict) -> dict:
-        values = values.model_inputs() if isinstance(values, Batch) else values
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in values.items()}
+        return to_device(values.model_inputs() if isinstance(values, Batch) else values, self.device)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
@@ -57,6 +58,7 @@ class CriticWorker:
         values = torch.zeros(len(batch), batch.num_response_tokens)
         for rows in micro_batches(batch, self.critic_cfg):
             values[rows] = self.model(**self._inputs(batch.select(rows))).float().cpu()
+        reshard(self.model)
         return values * batch.response_mask
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -74,7 +76,7 @@ class CriticWorker:
 
     def _update_mini(self, mini: Batch, means: MetricMeans) -> None:
         scale = {**global_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
-        for rows in micro_batches(mini, self.critic_cfg):
+        for rows in accumulate(self.model, micro_batches(mini, self.critic_cfg), self.critic_cfg):
             micro = mini.select(rows)
             t = self._inputs(micro.tensors)
             values = self.model(**self._inputs(micro))
@@ -82,9 +84,8 @@ class CriticWorker:
                                                self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode,
                                                **scale)
             loss.backward()
-            local = float(loss.detach()) * local_scale(scale, micro.response_mask)
-            means.add({"critic/vf_loss": local, **{k: float(v) for k, v in metrics.items()}},
-                      weight=float(micro.response_mask.sum()))
+            local = loss.detach() * local_scale(scale, micro.response_mask)
+            means.add({"critic/vf_loss": local, **metrics}, weight=float(micro.response_mask.sum()))
         norm = grad_norm(self.model, self.critic_cfg.grad_clip)
         if math.isfinite(norm):
             self.optimizer.step()

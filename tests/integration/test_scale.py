@@ -163,8 +163,14 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
         "rl.critic.grad_clip=100"])
     batch, check_prompts = a_batch(cfg, tiny_model_dir, tiny_data_dir)
     one = run_workers(cfg, str(tiny_model_dir), batch, check_prompts, 1)
-    # the update's inputs come from the 1-worker pass, so the comparison isolates the update itself
-    two = run_workers(cfg, str(tiny_model_dir), batch, check_prompts, 2, inputs=one)
+    # the update's inputs come from the 1-worker pass, so the comparison isolates the update itself. FSDP2
+    # settings: at N=1 both roles keep gathered weights and reduce gradients once per mini-batch (the
+    # one-device defaults); at N=2 the critic uses the multi-device defaults (reshard, reduce every
+    # micro-batch) and the actor the one-device ones, so every combination meets the 1-worker result
+    actor_once = {"reshard_after_forward": False, "grad_sync_every_micro_batch": False}
+    cfg_two = cfg.model_copy(update={"rl": cfg.rl.model_copy(
+        update={"actor": cfg.rl.actor.model_copy(update=actor_once)})})
+    two = run_workers(cfg_two, str(tiny_model_dir), batch, check_prompts, 2, inputs=one)
 
     for key in ("old_logprobs", "entropy", "ref_logprobs", "values"):
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5, msg=key)
