@@ -1,9 +1,9 @@
 """The GRPO benchmark step through TRL's GRPOTrainer (issue 5): the baseline our step is compared with.
 
-    python3 bench/gpu_trl.py [--out DIR] [--ours DIR/gpu-scale-n1.json]                # on the GPU machine
+    python3 bench/gpu_trl.py [--out DIR] [--ours DIR/gpu-worker-n1.json]               # on the GPU machine
     PYTHONPATH=/tmp/trl-site:. .venv/bin/python bench/gpu_trl.py --quick               # CPU smoke test
 
-The same workload as bench/gpu_scale.py at N=1: the Qwen2.5-0.5B shape with random weights and the EOS
+The same workload as bench/gpu_worker.py at N=1 (--prompts 32): the Qwen2.5-0.5B shape with random weights and the EOS
 logit calibrated to a 1/200 per-token hazard (bench/gpu_common.py), 32 prompts x 8 samples of 128-256
 random tokens, temperature 1, up to 512 response tokens, the same cheap reward, and 2 optimizer steps per
 256 generated sequences. TRL generates with transformers' `generate` (use_vllm=False, no vLLM here) and
@@ -16,7 +16,9 @@ generation, so one generation cycle (= one of our GRPO steps) is two TRL optimiz
 No hub: the tokenizer is a word-level one built here whose word `w<i>` is token i, so a prompt of random
 token ids is the text of those words. Timing: wall time at each optimizer step's end (TrainerCallback,
 after a CUDA synchronise); a cycle's time is the time of its two steps; the first `--warmup` cycles are not
-counted. With `--ours` (bench/gpu_scale.py's JSON from the same machine run) the ratio is written too.
+counted. With `--ours` (bench/gpu_worker.py's N=1 JSON from the same machine run)
+the ratio is written too. The EOS logit is calibrated on fp32 weights, which are then cast to bf16, as our
+benchmarks do (an earlier version calibrated on the bf16 model: its responses came out ~20% longer).
 """
 
 from __future__ import annotations
@@ -35,21 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_common import Results, calibrate_eos, machine, workload_model, workload_prompts  # noqa: E402
 
-STEPS_PER_CYCLE = 2  # optimizer steps per 256 generated sequences, as in bench/gpu_scale.py (--minis 2)
+STEPS_PER_CYCLE = 2  # optimizer steps per 256 generated sequences, as bench/gpu_worker.py's --minis 2
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model on CPU, short responses")
     p.add_argument("--out", default=None, help="folder for gpu-trl.json (default $OUT or bench/results/raw)")
-    p.add_argument("--ours", default=None, help="bench/gpu_scale.py's gpu-scale-n1.json from the same machine")
+    p.add_argument("--ours", default=None, help="bench/gpu_worker.py's gpu-worker-n1.json from the same machine")
     p.add_argument("--cycles", type=int, default=2, help="timed generation cycles (2 optimizer steps each)")
     p.add_argument("--warmup", type=int, default=1, help="untimed generation cycles first")
     args = p.parse_args(argv)
     if args.cycles < 1 or args.warmup < 0:
         p.error(f"--cycles={args.cycles} must be >= 1 and --warmup={args.warmup} >= 0")
     if args.ours and not Path(args.ours).is_file():
-        p.error(f"--ours={args.ours}: no such file; run bench/gpu_scale.py first or leave --ours out")
+        p.error(f"--ours={args.ours}: no such file; run bench/gpu_worker.py first or leave --ours out")
     return args
 
 
@@ -67,7 +69,7 @@ def word_tokenizer(config):
 
 
 def reward(completions, completion_ids, **_) -> list[float]:
-    return [(len(ids) % 7) / 6 for ids in completion_ids]  # bench/gpu_scale.py's reward
+    return [(len(ids) % 7) / 6 for ids in completion_ids]  # bench/gpu_worker.py's reward
 
 
 class StepTimer:
@@ -106,8 +108,9 @@ def main(argv=None) -> None:
     res.add("machine", {**machine(), "trl": trl.__version__})
     prompts_per_cycle, n, max_tokens = (4, 4, 16) if args.quick else (32, 8, 512)
     lo, hi = (8, 16) if args.quick else (128, 256)
-    model = workload_model(args.quick, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = workload_model(args.quick, device, torch.float32)
     eos_info = calibrate_eos(model, hazard=1 / 200)
+    model = model.to(torch.bfloat16 if device == "cuda" else torch.float32)
     config = model.config
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
@@ -140,13 +143,14 @@ def main(argv=None) -> None:
     summary = {"cycle_s": statistics.median(cycle_s), "cycle_s_all": cycle_s, "sequences_per_cycle": sequences,
                "seq_per_s": sequences / statistics.median(cycle_s),
                "completion_len_mean": statistics.mean(h["completions/mean_length"] for h in logged) if logged else None}
-    rows = [(f"TRL GRPO step s ({sequences} sequences, {STEPS_PER_CYCLE} optimizer steps)", summary["cycle_s"], f"cycles {cycle_s}"),
+    rows = [(f"TRL GRPO step s ({sequences} sequences, {STEPS_PER_CYCLE} optimizer steps)", summary["cycle_s"],
+             f"cycles {cycle_s}"),
             ("TRL sequences/s", summary["seq_per_s"], f"mean completion {summary['completion_len_mean']}")]
     if args.ours:
         ours = json.loads(Path(args.ours).read_text())["summary"]
         summary.update({"ours_step_s": ours["step_s"], "ours_seq_per_s": ours["seq_per_s"],
                         "speedup": summary["cycle_s"] / ours["step_s"] * ours["sequences_per_step"] / sequences})
-        rows += [("ours GRPO step s (gpu_scale N=1)", ours["step_s"], f"{ours['sequences_per_step']} sequences"),
+        rows += [("ours GRPO step s (N=1)", ours["step_s"], f"{ours['sequences_per_step']} sequences"),
                  ("ours / TRL sequences per second", summary["speedup"], "target >= 5")]
     res.add("summary", summary)
     res.table(rows)

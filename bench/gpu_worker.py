@@ -1,0 +1,274 @@
+"""A whole GRPO step through the RL stage's worker on N GPUs, timed per phase (issues 5 and 6).
+
+    torchrun --nproc_per_node=N bench/gpu_worker.py [--prompts 32] [--out DIR] [--set rl.actor.X=Y ...]
+    PYTHONPATH=. .venv/bin/torchrun --nproc_per_node=2 bench/gpu_worker.py --quick    # CPU smoke test (gloo)
+
+Each process is what one Ray worker of the RL stage is: it sees one GPU (CUDA_VISIBLE_DEVICES = its local
+rank, as Ray sets it) and holds an `ActorRolloutWorker` (stages/workers/actor_rollout.py) built from a
+`Config` of the recipe below plus `--set` overrides, so the worker's own defaults (packing, compiled layers,
+FSDP2 settings, fp32 master weights with bf16 compute, fused AdamW) are what is measured. Ray is not on the
+GPU image, so the driver's part of stages/rl.py `train_step` is done here by every rank alike, in the stage's
+order and with its helpers:
+
+    gen            each rank's engine samples its own prompts (`rl.rollout.engine=cuda`, the default here);
+                   the driver gathers them, scores them (a cheap reward of the length: this measures the
+                   engine and the trainer, not a scorer) and `balance_batch`es the global batch
+    old_log_prob   `compute_logprobs` on each rank's rows (`rank_rows`: its share of every mini-batch)
+    adv            GRPO advantages on the global batch (stages.core)
+    update_actor   `update_actor` on each rank's rows (ppo_mini_batch_size prompts per optimizer step)
+    sync           `sync_weights`: layer-by-layer streaming into the engine, then the engine's greedy
+                   tokens checked against the trainer (rl.rollout.logprob_check_tokens)
+
+Workload per GPU (issue 5's, split by `--prompts`): Qwen2.5-0.5B shape with random weights, the EOS logit
+calibrated to a 1/200 per-token hazard (bench/gpu_common.py), prompts of 128-256 random tokens, n=8,
+temperature 1, up to 512 response tokens. The per-GPU batch is the same at every N (N x --prompts prompts
+per step), so perfect scaling is N times the sequences per second. Phases end with a barrier (a phase takes
+its slowest rank's time, as the driver waits for every rank); the first `--warmup` steps (compilation, graph
+capture) are not counted; figures are medians over the timed steps. Rank 0 writes gpu-worker-n{N}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ("gen", "old_log_prob", "adv", "update_actor", "sync")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model on CPU (gloo): a smoke test of the whole step")
+    p.add_argument("--out", default=None, help="folder for gpu-worker-n{N}.json (default $OUT or bench/results/raw)")
+    p.add_argument("--name", default="gpu-worker", help="results file name prefix")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per GPU and step (default 32; 2 with --quick)")
+    p.add_argument("--minis", type=int, default=2, help="optimizer steps per GRPO step (mini-batches)")
+    p.add_argument("--steps", type=int, default=3, help="timed GRPO steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (after the recipe)")
+    args = p.parse_args(argv)
+    args.prompts = args.prompts or (2 if args.quick else 32)
+    if args.prompts % args.minis:
+        p.error(f"--prompts={args.prompts} must be a multiple of --minis={args.minis} (whole groups per mini-batch)")
+    return args
+
+
+def recipe(args, model_dir: str, world: int) -> list[str]:
+    prompts = args.prompts * world
+    quick = args.quick
+    return [f"model.path={model_dir}", f"model.dtype={'float32' if quick else 'bfloat16'}",
+            f"data.max_prompt_length={16 if quick else 256}", f"data.max_response_length={24 if quick else 512}",
+            "rl.enabled=true", "rl.rollout.engine=cuda", f"rl.rollout.n={4 if quick else 8}",
+            f"rl.rollout.max_num_seqs={args.prompts * (4 if quick else 8)}", "rl.rollout.temperature=1.0",
+            f"rl.train_batch_size={prompts}", f"rl.actor.ppo_mini_batch_size={prompts // args.minis}",
+            "rl.actor.use_dynamic_bsz=true", "rl.actor.max_token_len_per_device=24576", "rl.actor.lr=1e-6",
+            "rl.actor.use_kl_loss=false", "rl.algorithm.adv_estimator=grpo", "rl.rollout.logprob_check_tol=1.0",
+            f"ray.num_devices_per_node={world}", *args.set]
+
+
+def reward(response: list[int]) -> float:
+    return (len(response) % 7) / 6  # cheap and varied within a group
+
+
+def build_model_dir(quick: bool, device: str) -> tuple:
+    """The workload model (EOS calibrated) and a word-level tokenizer, saved as an HF folder (bf16 on GPU):
+    (folder, EOS calibration, number of parameters, model config)."""
+    import torch
+
+    from bench.gpu_common import calibrate_eos, workload_model
+    from bench.gpu_trl import word_tokenizer
+
+    model = workload_model(quick, device, torch.float32)
+    info = calibrate_eos(model, hazard=1 / 200)
+    folder = tempfile.mkdtemp(prefix="gpu-worker-model-")
+    tokenizer = word_tokenizer(model.config)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.to(torch.float32 if quick else torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, info, sum(p.numel() for p in model.parameters()), model.config
+
+
+class Bench:
+    def __init__(self, args, rank: int, world: int):
+        import torch
+
+        from infra.config import load_config
+        from stages.workers.actor_rollout import ActorRolloutWorker
+
+        self.args, self.rank, self.world = args, rank, world
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # every rank builds the same model (same seed) in its own folder: no file system is shared here
+        model_dir, self.eos_info, self.params, self.config = build_model_dir(args.quick, self.device)
+        self.cfg = load_config(None, recipe(args, model_dir, world))
+        self.mini_rows = self.cfg.rl.actor.ppo_mini_batch_size * self.cfg.rl.rollout.n
+        self.worker = ActorRolloutWorker(self.cfg, model_dir, rank, world, os.environ["MASTER_ADDR"],
+                                         int(os.environ["MASTER_PORT"]))
+        self.step_index = 0
+
+    def prompts(self) -> list[list[int]]:
+        from bench.gpu_common import workload_prompts
+
+        lo, hi = (8, 16) if self.args.quick else (128, 256)
+        seed = 1000 * self.step_index + self.rank  # different prompts on every rank and step
+        return workload_prompts(self.args.prompts, lo, hi, self.config.vocab_size, self.config.eos_token_id, seed)
+
+    def phase(self, name: str, times: dict, peaks: dict, fn, *args):
+        import torch
+        import torch.distributed as dist
+
+        from bench.gpu_common import reset_peak
+
+        reset_peak()
+        start = time.perf_counter()
+        result = fn(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            peaks[f"peak_gib/{name}"] = torch.cuda.max_memory_allocated() / 2**30
+            peaks[f"reserved_gib/{name}"] = torch.cuda.max_memory_reserved() / 2**30
+        dist.barrier()
+        times[name] = time.perf_counter() - start
+        return result
+
+    def run(self) -> dict:
+        from stages.rollout.base import SamplingParams
+
+        times, peaks = {}, {}
+        ro = self.cfg.rl.rollout
+        params = SamplingParams(n=ro.n, temperature=ro.temperature, max_tokens=self.cfg.data.max_response_length,
+                                stop_token_ids=(self.config.eos_token_id,), seed=self.step_index * 100 + self.rank)
+        prompts = self.prompts()
+        batch, info = self.phase("gen", times, peaks, self.generate, prompts, params)
+        shard = batch.select(self.rows(batch))
+        t = shard.tensors
+        t["old_logprobs"], t["entropy"] = self.phase("old_log_prob", times, peaks, self.worker.compute_logprobs,
+                                                     shard, "actor", True)
+        self.phase("adv", times, peaks, self.advantages, batch, shard)
+        metrics = self.phase("update_actor", times, peaks, self.worker.update_actor, shard)
+        sync = self.phase("sync", times, peaks, self.worker.sync_weights, prompts[:2])
+        times["step"] = sum(times[p] for p in PHASES)
+        self.step_index += 1
+        return {**{f"timing_s/{k}": v for k, v in times.items()}, **peaks, **info,
+                "actor/grad_norm": metrics["actor/grad_norm"], "actor/pg_loss": metrics["actor/pg_loss"],
+                "rollout/logprob_diff_max": sync.get("rollout/logprob_diff_max", float("nan")),
+                "local_tokens": int(shard.tensors["attention_mask"].sum())}
+
+    def generate(self, prompts, params):
+        """This rank's rollouts, then the driver's part: gather, score, balance (every rank alike)."""
+        import torch
+        import torch.distributed as dist
+
+        from stages.batch import balance_batch, build_batch
+
+        outs = self.worker.generate(prompts, params)
+        mine = [(prompts[o.prompt_index], o.response_ids, o.logprobs, f"{self.rank}-{o.prompt_index}") for o in outs]
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        rows = [row for part in gathered for row in part]
+        batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                            pad_token_id=self.config.pad_token_id, meta={"group_id": [r[3] for r in rows]})
+        batch.tensors["scores"] = torch.tensor([reward(r[1]) for r in rows])
+        batch, seqlen = balance_batch(batch, self.world, self.mini_rows)
+        mask = batch.response_mask
+        info = {"sequences": len(batch), "response_tokens": int(mask.sum()),
+                "tokens": int(batch.tensors["attention_mask"].sum()), **seqlen}
+        return batch, info
+
+    def rows(self, batch) -> list[int]:
+        from stages.batch import rank_rows
+
+        return rank_rows(len(batch), self.world, self.mini_rows)[self.rank]
+
+    def advantages(self, batch, shard) -> None:
+        """GRPO advantages over the global batch's groups; this rank keeps its rows' values."""
+        import torch
+
+        from stages.batch import token_level_scores
+        from stages.core import AdvantageInputs, compute_advantages
+
+        mask = batch.response_mask
+        rewards = token_level_scores(batch.tensors["scores"], mask)
+        adv, _ = compute_advantages("grpo", AdvantageInputs(token_level_rewards=rewards, response_mask=mask,
+                                                            index=batch.meta["group_id"]))
+        shard.tensors["advantages"] = adv[torch.tensor(self.rows(batch))]
+
+
+def reduce_step(figures: dict) -> dict:
+    """Rank figures -> the step's: times and peaks max over ranks, local token counts summed."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for key, value in figures.items():
+        t = torch.tensor(float(value), dtype=torch.float64, device=device)
+        summed = key == "local_tokens"
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if summed else dist.ReduceOp.MAX)
+        out[key] = t.item()
+    return out
+
+
+def summarize(timed: list[dict], params: int, peak_tflops: float | None, world: int, ppo_epochs: int) -> dict:
+    med = {k: statistics.median(f[k] for f in timed) for k in timed[0]}
+    step = med["timing_s/step"]
+    summary = {**{k: med[k] for k in med if k.startswith(("timing_s/", "peak_gib/", "reserved_gib/"))},
+               "step_s": step, "sequences_per_step": med["sequences"], "seq_per_s": med["sequences"] / step,
+               "tok_per_s": med["tokens"] / step,
+               "gen_response_tok_per_s": med["response_tokens"] / med["timing_s/gen"]}
+    if peak_tflops:  # tokens of all ranks over all GPUs' peak: 6 (2 forward) x params FLOPs per token
+        peak = peak_tflops * 1e12 * world
+        tokens = med["local_tokens"]
+        summary["mfu/update_actor"] = 6 * params * tokens * ppo_epochs / med["timing_s/update_actor"] / peak
+        summary["mfu/old_log_prob"] = 2 * params * tokens / med["timing_s/old_log_prob"] / peak
+    return summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("run under torchrun: torchrun --nproc_per_node=N bench/gpu_worker.py ...")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # one GPU per worker, as Ray gives it (before anything initialises CUDA)
+    os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.quick else os.environ["LOCAL_RANK"]
+    import torch
+    import torch.distributed as dist
+
+    from bench.gpu_common import Results, machine, measure_ceilings
+
+    res = Results(f"{args.name}-n{world}", args.out) if rank == 0 else None
+    t0 = time.perf_counter()
+    bench = Bench(args, rank, world)
+    ceilings = measure_ceilings() if torch.cuda.is_available() else {}
+    if res:
+        res.add("machine", {**machine(), "world_size": world, "backend": dist.get_backend(), **ceilings})
+        res.add("config", {"args": {k: v for k, v in vars(args).items() if k != "out"},
+                           "overrides": recipe(args, "<model>", world)})
+        res.add("setup", {"setup_s": time.perf_counter() - t0, "params": bench.params, **bench.eos_info})
+    timed = []
+    for i in range(args.warmup + args.steps):
+        figures = reduce_step(bench.run())
+        if i >= args.warmup:
+            timed.append(figures)
+        if res:
+            res.add(f"step{i}" + ("_warmup" if i < args.warmup else ""), figures)
+    if res:
+        summary = summarize(timed, bench.params, ceilings.get("bf16_matmul_tflops"), world,
+                            bench.cfg.rl.actor.ppo_epochs)
+        res.add("summary", summary)
+        rows = [(f"N={world}: step s", summary["step_s"], "median of timed steps"),
+                *[(f"N={world}: {p} s", summary[f"timing_s/{p}"], "slowest rank") for p in PHASES],
+                (f"N={world}: sequences/s", summary["seq_per_s"], f"{summary['sequences_per_step']:.0f} per step"),
+                (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"], "")]
+        rows += [(f"N={world}: {k}", v, "") for k, v in summary.items() if k.startswith(("mfu/", "peak_gib/"))]
+        res.table(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
