@@ -34,6 +34,10 @@ class StoreCheckpoints:
         found = self._by_step()
         return found[-1][1] if found else None
 
+    def at_step(self, step: int) -> ArtifactRef | None:
+        """The checkpoint version saved at `step`, or None."""
+        return dict(self._by_step()).get(step)
+
     def latest(self) -> Path | None:
         found = self._by_step()
         if not found:

@@ -14,6 +14,9 @@ results back; prompts are split across the workers' engines for generation.
 Resume: the latest checkpoint restores actor/critic/optimizer/scheduler state, the KL controller and RNG;
 prompts are a function of the step number, and trajectory partitions written after that checkpoint are
 removed, so the resumed run continues exactly, without duplicates.
+
+Output: the checkpoint of the last step (the loop always saves it), not a model folder. The merge stage
+(stages/merge.py, `python -m stages.merge --checkpoint REF --out DIR`) turns it into a plain HF folder.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from infra.config import Config
+from infra.store import ArtifactRef
 from infra.trajectories import RunTables
 from infra.tracking import Tracker, progress_bar
 from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
@@ -52,28 +57,39 @@ logger = logging.getLogger(__name__)
 COUNTS = ("/errors", "/timeouts", "/nan")  # reward metrics that add up over generation batches (others: means)
 
 
+class RLCheckpoints(Checkpoints, Protocol):
+    """Where RL keeps its checkpoints: versioned artifacts (infra.checkpoints.StoreCheckpoints)."""
+
+    def at_step(self, step: int) -> ArtifactRef | None: ...
+
+
 @dataclass
 class RLResult:
-    model_dir: Path
+    checkpoint: ArtifactRef  # the final step's checkpoint; stages.merge turns it into an HF folder
     num_steps: int
     final_metrics: dict[str, float]
 
 
-def run_rl(cfg: Config, model_dir: str, data_dir: Path, out_dir: Path, checkpoints: Checkpoints,
-           tables: RunTables, tracker: Tracker) -> RLResult:
-    """Train with RL from `model_dir` on `data_dir`/{train,validation}.parquet; final HF folder to out_dir."""
+def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoints, tables: RunTables,
+           tracker: Tracker) -> RLResult:
+    """Train with RL from `model_dir` on `data_dir`/{train,validation}.parquet; -> the final checkpoint's ref."""
     started_ray = init_ray(cfg.ray)
     trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
     try:
         metrics = trainer.fit()
-        trainer.save_model(out_dir)
-        return RLResult(out_dir, trainer.step, metrics)
     finally:
         trainer.close()
         if started_ray:
             import ray
 
             ray.shutdown()
+    ref = checkpoints.at_step(trainer.step)
+    if ref is None:  # fit() saves the last step (or resumed from its checkpoint), so `checkpoints` dropped it
+        raise RuntimeError(f"rl: no checkpoint of the final step {trainer.step} after training; "
+                           f"{type(checkpoints).__name__}.save must keep it")
+    logger.info("rl: %d steps, final checkpoint %s; make a model of it with "
+                "`python -m stages.merge [--root STORE] --checkpoint %s --out DIR`", trainer.step, ref, ref)
+    return RLResult(ref, trainer.step, metrics)
 
 
 class StepTimer:
@@ -90,7 +106,7 @@ class StepTimer:
 class RLTrainer:
     def __init__(self, cfg: Config, model_dir: str, data_dir: Path, checkpoints: Checkpoints, tables: RunTables,
                  tracker: Tracker):
-        self.cfg, self.rl, self.model_dir = cfg, cfg.rl, model_dir
+        self.cfg, self.rl = cfg, cfg.rl
         self.checkpoints, self.tables, self.tracker = checkpoints, tables, tracker
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data)
@@ -381,17 +397,6 @@ class RLTrainer:
         removed = self.tables.truncate_after(self.step)
         self.actor.call("sync_weights", self._check_prompts())
         logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
-
-    def save_model(self, out_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from stages.model.loading import save_hf_folder
-
-        from stages.model.loading import DTYPES
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.cfg.model.dtype])
-        model.load_state_dict(self.actor.call_one("hf_state"))
-        save_hf_folder(model, self.tokenizer, out_dir)
 
     def close(self) -> None:
         self.rewards.close()

@@ -161,8 +161,8 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
 def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints.
 
-    Returns the final checkpoint's ref (the RL loop always checkpoints its last step); `merge` turns it
-    into a model.
+    Returns the final checkpoint's ref (the RL loop always checkpoints its last step; RL writes no model
+    folder); `merge` turns it into a model.
     """
     from infra.trajectories import RunTables
     from stages.rl import run_rl
@@ -173,14 +173,12 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
     checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, checkpoint_metadata(cfg.model))
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
-    with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "rl") as tracker:
-        result = run_rl(cfg, local_model_path(store, init_model), data_dir, Path(tmp), checkpoints,
-                        RunTables(store, run_id), tracker)
-    ref = checkpoints.latest_ref()
-    if ref is None or store.manifest(ref).metadata["step"] != result.num_steps:
-        raise RuntimeError(f"rl: no checkpoint of the final step {result.num_steps} in {run_id} (found {ref})")
-    get_run_logger().info("rl: %d steps, final checkpoint %s (trajectories: run_id=%s)", result.num_steps, ref, run_id)
-    return str(ref)
+    with _tracker(cfg, ctx, "rl") as tracker:
+        result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints, RunTables(store, run_id),
+                        tracker)
+    get_run_logger().info("rl: %d steps, final checkpoint %s (trajectories: run_id=%s)", result.num_steps,
+                          result.checkpoint, run_id)
+    return str(result.checkpoint)
 
 
 @task(name="merge", cache_key_fn=stage_key("merge", _merge_sections, ("checkpoint", "base_model")),

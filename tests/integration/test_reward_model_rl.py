@@ -45,9 +45,8 @@ def test_grpo_with_a_reward_model_scores_and_logs_it(tiny_data_dir, tiny_model_d
 
     cfg = load_config(None, TINY_OVERRIDES + RL + [f"rl.reward.reward_model_path={rm_dir}"])
     store = ArtifactStore(str(tmp_path / "store"))
-    result = run_rl(cfg, str(tiny_model_dir), tiny_data_dir, tmp_path / "model",
-                    StoreCheckpoints(store, "rm-test", cfg.rl.max_ckpt_to_keep), RunTables(store, "rm-test"),
-                    Tracker([]))
+    checkpoints = StoreCheckpoints(store, "rm-test", cfg.rl.max_ckpt_to_keep)
+    result = run_rl(cfg, str(tiny_model_dir), tiny_data_dir, checkpoints, RunTables(store, "rm-test"), Tracker([]))
     assert result.num_steps == 2
     root = str(tmp_path / "store")
 
@@ -83,5 +82,5 @@ def test_a_language_model_as_reward_model_is_refused(tiny_data_dir, tiny_model_d
     cfg = load_config(None, TINY_OVERRIDES + RL + [f"rl.reward.reward_model_path={tiny_model_dir}"])
     store = ArtifactStore(str(tmp_path / "store"))
     with pytest.raises(Exception, match="no trained classification head"):
-        run_rl(cfg, str(tiny_model_dir), tiny_data_dir, tmp_path / "model",
-               StoreCheckpoints(store, "rm-bad", 1), RunTables(store, "rm-bad"), Tracker([]))
+        run_rl(cfg, str(tiny_model_dir), tiny_data_dir, StoreCheckpoints(store, "rm-bad", 1),
+               RunTables(store, "rm-bad"), Tracker([]))

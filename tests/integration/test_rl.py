@@ -15,6 +15,7 @@ from infra.sql import query
 from infra.store import ArtifactStore
 from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.loading import load_model
 from tests.conftest import TINY_OVERRIDES
 
@@ -35,9 +36,9 @@ def run(tiny_data_dir, tiny_model_dir, tmp_path, *overrides):
 
     cfg = load_config(None, TINY_OVERRIDES + RL + list(overrides))
     store = ArtifactStore(str(tmp_path / "store"))
-    result = run_rl(cfg, str(tiny_model_dir), tiny_data_dir, tmp_path / "model",
-                    StoreCheckpoints(store, "rl-test", cfg.rl.max_ckpt_to_keep), RunTables(store, "rl-test"),
-                    Tracker([]))
+    checkpoints = StoreCheckpoints(store, "rl-test", cfg.rl.max_ckpt_to_keep, {"init_model": str(tiny_model_dir)},
+                                   checkpoint_metadata(cfg.model))  # as the flow's rl task keeps them
+    result = run_rl(cfg, str(tiny_model_dir), tiny_data_dir, checkpoints, RunTables(store, "rl-test"), Tracker([]))
     return result, str(tmp_path / "store")
 
 
@@ -60,7 +61,11 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
         assert row[column] is not None, column
     assert query(root, "SELECT DISTINCT step FROM validation ORDER BY 1") == [{"step": s} for s in (0, 2, 3)]
     assert all(math.isfinite(v) for v in metric(root, "actor/pg_loss"))
-    load_model(result.model_dir, load_config(None).model, trainable=False)  # a plain HF folder
+    # RL's output is its final checkpoint; the merge stage makes the trained model of it, as a user does
+    store = ArtifactStore(root)
+    assert store.manifest(result.checkpoint).metadata["step"] == 3
+    merged = merge_checkpoint(merge_source(store, result.checkpoint), tmp_path / "merged")
+    load_model(merged.out_dir, load_config(None).model, trainable=False)  # a plain HF folder
 
 
 @pytest.mark.parametrize("overrides", [

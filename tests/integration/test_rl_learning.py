@@ -9,6 +9,7 @@ of the first. Scores come from the `rollouts` table (SQL), as a user would read 
 
 import pytest
 
+from infra.checkpoints import StoreCheckpoints
 from infra.config import RayConfig, load_config
 from infra.sql import query
 from infra.store import ArtifactStore
@@ -26,7 +27,7 @@ RL = ["rl.enabled=true", "rl.total_steps=12", "rl.train_batch_size=16", "rl.roll
       "rl.save_freq=0", "rl.val_before_train=false", "rl.reward.num_workers=1"]
 
 
-class NoCheckpoints:
+class NoCheckpoints:  # for SFT: RL keeps its final checkpoint in a store (it is the stage's output)
     def latest(self):
         return None
 
@@ -68,7 +69,7 @@ def test_algorithm_raises_mean_reward(sft_model, tmp_path, overrides):
     data_dir, model_dir = sft_model
     cfg = load_config(None, TASK + RL + overrides)
     store = ArtifactStore(str(tmp_path / "store"))
-    run_rl(cfg, str(model_dir), data_dir, tmp_path / "model", NoCheckpoints(), RunTables(store, "learn"), Tracker([]))
+    run_rl(cfg, str(model_dir), data_dir, StoreCheckpoints(store, "learn", 1), RunTables(store, "learn"), Tracker([]))
     scores = [r["s"] for r in query(store, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last > first + 0.1, scores

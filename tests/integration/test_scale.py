@@ -5,7 +5,7 @@ engine per worker) compute what one worker computes, learn, and checkpoint shard
    equal old/ref logprobs and values, equal losses and gradient norms, equal parameters after the update.
 2. GRPO on 2 workers with vLLM engines raises the mean reward.
 3. A 2-worker PPO run checkpoints sharded (torch.distributed.checkpoint), resumes on 2 workers exactly, and
-   the merge stage's reader consolidates the shards into the trained weights.
+   the merge stage's reader consolidates the shards into the weights the live workers trained.
 
 One Ray instance for the module, with 4 logical CPU slots so a 1- and a 2-worker group fit side by side.
 The dispatch helpers (split, gather, balance) are also tested on their own, without Ray.
@@ -27,6 +27,7 @@ from infra.tracking import Tracker
 from stages.batch import Batch, balance_batch, build_batch, gather_rows, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, compute_advantages
 from stages.data_prep import load_prompts
+from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.fsdp import hf_weights, read_checkpoint_model_state
 from stages.model.loading import load_model, load_tokenizer
 from stages.rl_data import rollout_batch
@@ -198,14 +199,36 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 '''
 
 
-def run_rl_steps(tiny_data_dir, tiny_model_dir, tmp_path, store_root, *overrides):
+def rl_config(*overrides):
+    return load_config(None, TINY_OVERRIDES + RL + ["ray.num_devices_per_node=2", *overrides])
+
+
+def rl_checkpoints(cfg, tiny_model_dir, store_root) -> StoreCheckpoints:
+    """As the flow's rl task keeps them: lineage to the init model, the model config for merging."""
+    return StoreCheckpoints(ArtifactStore(str(store_root)), "rl-scale", cfg.rl.max_ckpt_to_keep,
+                            {"init_model": str(tiny_model_dir)}, checkpoint_metadata(cfg.model))
+
+
+def run_rl_steps(tiny_data_dir, tiny_model_dir, store_root, *overrides):
     from stages.rl import run_rl
 
-    cfg = load_config(None, TINY_OVERRIDES + RL + ["ray.num_devices_per_node=2", *overrides])
-    store = ArtifactStore(str(store_root))
-    return run_rl(cfg, str(tiny_model_dir), tiny_data_dir, tmp_path / "model",
-                  StoreCheckpoints(store, "rl-scale", cfg.rl.max_ckpt_to_keep), RunTables(store, "rl-scale"),
-                  Tracker([]))
+    cfg = rl_config(*overrides)
+    return run_rl(cfg, str(tiny_model_dir), tiny_data_dir, rl_checkpoints(cfg, tiny_model_dir, store_root),
+                  RunTables(ArtifactStore(str(store_root)), "rl-scale"), Tracker([]))
+
+
+def trained_weights(tiny_data_dir, tiny_model_dir, store_root, *overrides) -> dict[str, torch.Tensor]:
+    """RL as run_rl runs it, then the full weights gathered from the live, sharded actor (HF names)."""
+    from stages.rl import RLTrainer
+
+    cfg = rl_config(*overrides)
+    trainer = RLTrainer(cfg, str(tiny_model_dir), tiny_data_dir, rl_checkpoints(cfg, tiny_model_dir, store_root),
+                        RunTables(ArtifactStore(str(store_root)), "rl-scale"), Tracker([]))
+    try:
+        trainer.fit()
+        return trainer.actor.call_one("hf_state")
+    finally:
+        trainer.close()
 
 
 def metric(root, name: str) -> list[float]:
@@ -217,7 +240,7 @@ def test_two_worker_grpo_with_vllm_raises_the_reward(ray_cluster, tiny_data_dir,
     reward = tmp_path / "digits.py"
     reward.write_text(DIGITS_REWARD)
     root = tmp_path / "store"
-    result = run_rl_steps(tiny_data_dir, tiny_model_dir, tmp_path, root, "rl.total_steps=8",
+    result = run_rl_steps(tiny_data_dir, tiny_model_dir, root, "rl.total_steps=8",
                           f"rl.reward.custom_path={reward}", "rl.actor.lr=3e-3", "rl.actor.micro_batch_size=8",
                           "rl.val_before_train=false", "rl.test_freq=0", "rl.save_freq=0")
     assert result.num_steps == 8
@@ -241,8 +264,7 @@ def test_sharded_checkpoint_resumes_on_two_workers(ray_cluster, tiny_data_dir, t
     args = ("rl.rollout.engine=hf", "rl.algorithm.adv_estimator=gae", "rl.total_steps=3", "rl.save_freq=1",
             "rl.max_ckpt_to_keep=3", "rl.test_freq=0", "rl.val_before_train=false", "rl.actor.lr=1e-3",
             "rl.critic.lr=1e-3", "rl.rollout.temperature=1.5")
-    run_rl_steps(tiny_data_dir, tiny_model_dir, tmp_path / "a", root, *args)
-    trained = load_model(tmp_path / "a" / "model", load_config(None).model, trainable=False).state_dict()
+    trained = trained_weights(tiny_data_dir, tiny_model_dir, root, *args)
 
     store = ArtifactStore(str(root))
     versions = sorted(store.versions("checkpoint", "rl-scale"), key=lambda m: m.metadata["step"])
@@ -255,12 +277,14 @@ def test_sharded_checkpoint_resumes_on_two_workers(ray_cluster, tiny_data_dir, t
     for name, value in trained.items():
         torch.testing.assert_close(merged[name], value, rtol=0, atol=0, msg=name)
 
-    # lose the step-3 checkpoint and the model: the rerun resumes from step 2 and ends where run a ended
+    # lose the step-3 checkpoint: the rerun resumes from step 2 and ends where the first run ended
     store.delete(versions[-1].ref)
     scores = metric(root, "critic/score/mean")
-    run_rl_steps(tiny_data_dir, tiny_model_dir, tmp_path / "b", root, *args)
+    result = run_rl_steps(tiny_data_dir, tiny_model_dir, root, *args)
     assert "rl: resumed at step 2" in caplog.text
-    resumed = load_model(tmp_path / "b" / "model", load_config(None).model, trainable=False).state_dict()
+    assert store.manifest(result.checkpoint).metadata["step"] == 3
+    merged_dir = merge_checkpoint(merge_source(store, result.checkpoint), tmp_path / "merged").out_dir
+    resumed = load_model(merged_dir, load_config(None).model, trainable=False).state_dict()  # as a user gets it
     for name, value in trained.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)
     assert metric(root, "critic/score/mean") == pytest.approx(scores, abs=1e-9)  # step 3 redone identically
