@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from infra.store import ArtifactRef, ArtifactStore
+from infra.artifacts import ArtifactRef
+from infra.store import ArtifactStore
 
 logger = logging.getLogger(__name__)
 

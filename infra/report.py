@@ -36,8 +36,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from infra.artifacts import code_version
 from infra.sql import connect
-from infra.store import ArtifactStore, StoreError, code_version
+from infra.store import ArtifactStore, StoreError
 from infra.trajectories import _check_segment
 
 REPORT_FILE = "report.html"

@@ -8,8 +8,8 @@ Layout under ``root`` (a local folder, ``file://``, ``memory://`` or ``s3://buck
     .staging/{uuid}/                                  local only: a write in progress
     <anything else>                                   mutable tables (write_bytes/read_bytes/glob)
 
-``version`` is the first 16 hex chars of sha256 over the sorted relative paths and the bytes of each file, so
-putting the same content twice returns the existing ref and writes nothing. Empty folders are not kept.
+``version`` is a content hash (infra/artifacts.py: refs, manifests, hashing, lineage), so putting the same
+content twice returns the existing ref and writes nothing. Empty folders are not kept.
 
 Atomicity: readers (``exists``, ``manifest``, ``versions``, ``latest``, ``artifacts``, ``get_dir``) only see
 versions whose manifest exists.
@@ -33,20 +33,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -54,9 +48,10 @@ import fsspec
 from botocore.exceptions import BotoCoreError, NoCredentialsError
 from fsspec.exceptions import FSTimeoutError
 
+from infra.artifacts import MANIFEST, ArtifactRef, Manifest, describe, file_sha256, hash_dir, is_complete_copy, lineage
+
 logger = logging.getLogger(__name__)
 
-MANIFEST = "_manifest.json"
 ARTIFACTS = "artifacts"
 STAGING = ".staging"
 CONNECT_TIMEOUT_S = 2
@@ -65,113 +60,10 @@ MAX_ATTEMPTS = 2  # botocore attempts per request (and s3fs retries): unreachabl
 _BOTOCORE = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
              "retries": {"max_attempts": MAX_ATTEMPTS, "mode": "standard"}}
 _CONNECTION_ERRORS = (BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, FSTimeoutError)
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_VERSION = re.compile(r"^[0-9a-f]{16}$")
-_CHUNK = 1 << 20
 
 
 class StoreError(RuntimeError):
     """Storage unreachable or a write failed; the message names the root, the endpoint and the fix."""
-
-
-@dataclass(frozen=True)
-class ArtifactRef:
-    """One committed version of an artifact: ``kind/name@version``."""
-
-    kind: str
-    name: str
-    version: str
-
-    def __post_init__(self) -> None:
-        for fld in ("kind", "name"):
-            if not _SEGMENT.match(getattr(self, fld)):
-                raise ValueError(f"artifact {fld}={getattr(self, fld)!r}: use letters, digits, '.', '_', '-' "
-                                 "(starting with a letter or digit), e.g. 'sft-qwen'")
-        if not _VERSION.match(self.version):
-            raise ValueError(f"artifact version={self.version!r}: expected 16 lowercase hex chars (a content hash)")
-
-    def __str__(self) -> str:
-        return f"{self.kind}/{self.name}@{self.version}"
-
-    @classmethod
-    def parse(cls, text: str) -> ArtifactRef:
-        """'dataset/synthetic@0123456789abcdef' -> ArtifactRef."""
-        match = re.fullmatch(r"([^/@]+)/([^/@]+)@([^/@]+)", text.strip())
-        if not match:
-            raise ValueError(f"artifact ref {text!r}: expected 'kind/name@version', "
-                             "e.g. 'dataset/synthetic@0123456789abcdef'")
-        return cls(*match.groups())
-
-
-@dataclass
-class Manifest:
-    """What a version holds and what it was made from; saved as ``_manifest.json`` next to the files."""
-
-    kind: str
-    name: str
-    version: str
-    inputs: dict[str, str]  # role -> str(ArtifactRef) or a plain string such as a hub id
-    config_hash: str
-    code_version: str  # git commit (+ "-dirty"), "unknown" outside git
-    created: str  # ISO-8601 UTC
-    files: dict[str, dict] = field(default_factory=dict)  # relpath -> {"size": int, "sha256": str}
-    metadata: dict = field(default_factory=dict)
-
-    @property
-    def ref(self) -> ArtifactRef:
-        return ArtifactRef(self.kind, self.name, self.version)
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> Manifest:
-        try:
-            return cls(**json.loads(data))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where} is not a valid manifest ({exc}); delete that version or run gc") from exc
-
-
-@functools.cache
-def code_version() -> str:
-    """Git commit of the project, '+-dirty' with uncommitted changes; 'unknown' outside git. Computed once."""
-    project = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(project), *args], capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD")
-        return commit + ("-dirty" if git("status", "--porcelain") else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def hash_dir(local_dir: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
-    """-> (version, files {relpath: {size, sha256}}, sources {relpath: path}) of every file under local_dir."""
-    if not local_dir.is_dir():
-        raise ValueError(f"local_dir={str(local_dir)!r} is not a folder; pass the folder to store")
-    sources = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
-    if not sources:
-        raise ValueError(f"local_dir={str(local_dir)!r} has no files; an artifact needs at least one")
-    if MANIFEST in sources:
-        raise ValueError(f"local_dir={str(local_dir)!r} contains {MANIFEST}, a reserved name; rename it")
-    total, files = hashlib.sha256(), {}
-    for rel in sorted(sources):
-        size = sources[rel].stat().st_size
-        total.update(rel.encode() + b"\0" + size.to_bytes(8, "little"))
-        files[rel] = {"size": size, "sha256": _sha256(sources[rel], total)}
-    return total.hexdigest()[:16], files, sources
-
-
-def _sha256(path: Path, *also) -> str:
-    """sha256 of a file's bytes, which are also fed to the digests in `also`."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            for d in (digest, *also):
-                d.update(chunk)
-    return digest.hexdigest()
 
 
 class ArtifactStore:
@@ -274,13 +166,7 @@ class ArtifactStore:
         if self.exists(ref):
             logger.info("%s already stored; nothing written", ref)
             return ref
-        inputs = {str(role): str(value) for role, value in (inputs or {}).items()}
-        try:
-            json.dumps(metadata or {})
-        except TypeError as exc:
-            raise ValueError(f"metadata={metadata!r} is not JSON-serialisable ({exc}); pass plain values") from exc
-        manifest = Manifest(kind, name, version, inputs, config_hash, code_version(),
-                            datetime.now(timezone.utc).isoformat(), files, dict(metadata or {}))
+        manifest = Manifest.new(ref, files, inputs, config_hash, metadata)
         (self._commit_remote if self.is_remote else self._commit_local)(ref, sources, manifest)
         logger.info("stored %s (%d files, %d bytes)", ref, len(files), sum(f["size"] for f in files.values()))
         return ref
@@ -337,7 +223,7 @@ class ArtifactStore:
         if not self.is_remote and dest is None:
             return Path(self._vdir(ref))
         dest = Path(dest) if dest is not None else self.cache_dir / ref.kind / ref.name / ref.version
-        if _is_complete_copy(dest, manifest):
+        if is_complete_copy(dest, manifest):
             return dest
         if dest.exists() and any(dest.iterdir()):
             raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref}; "
@@ -351,7 +237,7 @@ class ArtifactStore:
             os.rename(partial, dest)
         except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            if not (isinstance(exc, OSError) and _is_complete_copy(dest, manifest)):  # else: a concurrent
+            if not (isinstance(exc, OSError) and is_complete_copy(dest, manifest)):  # else: a concurrent
                 raise  # reader finished the same copy first
         return dest
 
@@ -362,7 +248,7 @@ class ArtifactStore:
                 local = target / rel
                 local.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(f"{vdir}/{rel}", str(local))
-                if _sha256(local) != info["sha256"]:
+                if file_sha256(local) != info["sha256"]:
                     raise StoreError(f"{manifest.ref}: {rel} does not match its manifest sha256 at {self._where()}; "
                                      "the stored copy is corrupt: delete that version and re-create it")
         (target / MANIFEST).write_bytes(manifest.to_json())
@@ -465,39 +351,7 @@ class ArtifactStore:
         return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
 
 
-def _is_complete_copy(dest: Path, manifest: Manifest) -> bool:
-    """dest holds this version's files (manifest written last, sizes match)."""
-    marker = dest / MANIFEST
-    if not marker.is_file() or Manifest.from_json(marker.read_bytes(), str(marker)).files != manifest.files:
-        return False
-    return all((dest / rel).is_file() and (dest / rel).stat().st_size == info["size"]
-               for rel, info in manifest.files.items())
-
-
 # -------------------------------------------------------------------------------------------------- CLI
-
-
-def _lineage(store: ArtifactStore, text: str, depth: int, seen: set[str]) -> list[str]:
-    """Indented lines: text, then what it was made from, recursively."""
-    pad = "  " * depth
-    try:
-        ref = ArtifactRef.parse(text)
-    except ValueError:
-        return [f"{pad}{text} (external)"]
-    if text in seen or not store.exists(ref):
-        return [f"{pad}{text}" + ("" if text in seen else " (not in store)")]
-    lines = [f"{pad}{text}"]
-    for role, source in store.manifest(ref).inputs.items():
-        sub = _lineage(store, source, depth + 1, seen | {text})
-        lines += [f"{'  ' * (depth + 1)}{role} <- {sub[0].strip()}", *sub[1:]]
-    return lines
-
-
-def _describe(m: Manifest) -> str:
-    size = sum(f["size"] for f in m.files.values())
-    inputs = ", ".join(f"{role}={src}" for role, src in m.inputs.items()) or "-"
-    return (f"{m.ref}  created={m.created}  files={len(m.files)}  bytes={size}  code={m.code_version}\n"
-            f"    inputs: {inputs}\n    metadata: {json.dumps(m.metadata, sort_keys=True)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -531,11 +385,11 @@ def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
         if not kind or not name:
             raise ValueError(f"versions {args.artifact!r}: expected KIND/NAME, e.g. dataset/synthetic")
         for m in store.versions(kind, name):
-            print(_describe(m))
+            print(describe(m))
     elif args.command == "show":
         ref = ArtifactRef.parse(args.ref)
         print(store.manifest(ref).to_json().decode())
-        print("lineage:\n" + "\n".join(_lineage(store, str(ref), 1, set())))
+        print("lineage:\n" + "\n".join(lineage(store, str(ref), 1, set())))
     else:
         print(f"removed {store.gc()} leftovers")
 

@@ -37,8 +37,9 @@ from pathlib import Path
 
 import torch
 
+from infra.artifacts import ArtifactRef
 from infra.config import ModelConfig
-from infra.store import ArtifactRef, ArtifactStore
+from infra.store import ArtifactStore
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
+from infra.artifacts import ArtifactRef
 from infra.config import Config
-from infra.store import ArtifactRef
 from infra.trajectories import RunTables
 from infra.tracking import Tracker, progress_bar
 from stages.batch import Batch, balance_batch, rank_rows, token_level_scores

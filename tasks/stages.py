@@ -21,9 +21,10 @@ prefect_env.configure()
 
 from prefect import get_run_logger, task  # noqa: E402
 
+from infra.artifacts import ArtifactRef  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
 from infra.config import Config, config_hash  # noqa: E402
-from infra.store import ArtifactRef, ArtifactStore  # noqa: E402
+from infra.store import ArtifactStore  # noqa: E402
 from infra.tracking import Tracker  # noqa: E402
 from stages.merge import checkpoint_metadata  # noqa: E402
 

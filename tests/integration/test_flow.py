@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from infra.artifacts import ArtifactRef
 from infra.config import ConfigError
 from infra.sql import query
-from infra.store import ArtifactRef, ArtifactStore, StoreError
+from infra.store import ArtifactStore, StoreError
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow

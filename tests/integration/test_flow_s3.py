@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.store import ArtifactRef, ArtifactStore
+from infra.artifacts import ArtifactRef
+from infra.store import ArtifactStore
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from infra.store import MANIFEST, ArtifactRef, ArtifactStore, StoreError, code_version
+from infra.artifacts import MANIFEST, ArtifactRef, code_version
+from infra.store import ArtifactStore, StoreError
 
 PROJECT = Path(__file__).resolve().parents[2]
 
