@@ -1,6 +1,7 @@
-"""HTML run report (infra.report) over real run tables written with RunTables and read back through DuckDB:
-every plot is there as a decodable PNG, missing metrics give notes, text is escaped, best/worst rollouts and
-the evaluation table hold hand-computed values, the report lands in the store (local and S3), CLI exit codes."""
+"""HTML run report (infra.report reads, infra.report_render renders) over real run tables written with
+RunTables and read back through DuckDB: every plot is there as a decodable PNG, missing metrics give notes,
+text is escaped, best/worst rollouts and the evaluation table hold hand-computed values, the report lands in
+the store (local and S3), CLI exit codes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import report
+from infra import report, report_render
 from infra.store import ArtifactStore
 from infra.trajectories import RunTables
 
@@ -96,7 +97,7 @@ def test_every_plot_is_an_embedded_png(local):
     write_run(local)
     page = report.build_report(local, RUN, title="demo <run>", extra={"model": "model/rl@0123"})
     pngs = images(page)
-    for panel in report.PANELS:
+    for panel in report_render.PANELS:
         alts = [alt for alt in pngs if alt.startswith(panel.title + ":")]
         assert len(alts) == 1, (panel.title, list(pngs))
         # 6.4 x 3.4 in at 120 dpi; the timing panel (many phases, legend beside it) is twice as wide
@@ -121,7 +122,7 @@ def test_best_and_worst_rollouts_and_escaping(local):
     assert [(r["step"], r["score"], r["prompt"]) for r in data.worst] == [
         (4, 0.0, "prompt 4.2"), (3, 0.0, "prompt 3.1"), (2, 0.0, "prompt 2.0")]
     assert data.num_rollouts == 16 and data.rollout_steps == [1, 2, 3, 4]
-    page = report.render(data, "t", None)
+    page = report_render.render(data, "t", None)
     assert "alert" in page and "<script>alert" not in page
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; 2" in page
     assert "Best 3 (highest score)" in page and "Worst 3 (lowest score)" in page
@@ -138,7 +139,7 @@ def test_equal_scores_worst_does_not_repeat_best(local):
     # 4 samples, all score 0: best = the first sample of each group, then the second; worst = what is left
     assert [r["prompt"] for r in data.best] == ["prompt 1.0", "prompt 1.2", "prompt 1.1"]
     assert [r["prompt"] for r in data.worst] == ["prompt 1.3"]
-    page = report.render(data, "t", None)
+    page = report_render.render(data, "t", None)
     assert "Worst 1 (lowest score)" in page and "range from 0 to 0: all equal" in page
     assert "bell\\x07 0" in page and "\x07" not in page  # a control character is shown, not embedded
 
@@ -146,7 +147,7 @@ def test_run_without_validation_or_kl_gets_notes(local):
     write_run(local, validation=False, with_kl=False)
     page = report.build_report(local, RUN)
     titles = {alt.split(":")[0] for alt in images(page)}
-    assert titles == {p.title for p in report.PANELS} - {"Validation accuracy", "KL"}
+    assert titles == {p.title for p in report_render.PANELS} - {"Validation accuracy", "KL"}
     notes = re.findall(r'<div class="panel note"><h3>([^<]+)</h3>', page)
     assert notes == ["Validation accuracy", "KL"]
     assert "rl.test_freq" in page and "rl.actor.use_kl_loss" in page  # the note says what logs them
@@ -160,7 +161,7 @@ def test_validation_table_is_used_when_no_val_metrics(local):
     tables.write_validation(3, [{"score": 1.0}, {"score": 1.0}, {"score": 0.0}, {"score": 1.0}])
     data = report.read_run(local, RUN)
     assert data.val_scores == [(1, 0.25), (3, 0.75)]  # 1/4 and 3/4
-    page = report.render(data, "t", None)
+    page = report_render.render(data, "t", None)
     assert any(alt.startswith("Validation accuracy: val/score/mean") for alt in images(page))
     # entropy was logged, but only as NaN: a note, not empty axes
     assert "<h3>Entropy</h3>" in page
@@ -170,10 +171,10 @@ def test_eval_table_accuracy_per_model(local):
     write_run(local)
     write_evals(local)
     data = report.read_run(local, RUN)
-    header, rows = report.eval_table(data.evals)
+    header, rows = report_render.eval_table(data.evals)
     assert header == ["model", "data_source", "acc", "samples"]
     assert rows == [["base", "synthetic", 0.25, 4], ["sft", "synthetic", 0.5, 4], ["rl", "synthetic", 0.75, 4]]
-    page = report.render(data, "t", None)
+    page = report_render.render(data, "t", None)
     assert "<td>rl</td><td>synthetic</td><td>0.75</td><td>4</td>" in page
 
 
@@ -188,15 +189,15 @@ def test_eval_table_long_rows_side_by_side(local):
     RunTables(local, "older-run").write_evals("rl", [{"score": 1.0, "sampled": False}])  # another layout
     data = report.read_run(local, "flow-run-1")
     assert all(r["score"] is None for r in data.evals)  # the view's union: the other run's column is NULL here
-    header, rows = report.eval_table(data.evals)
+    header, rows = report_render.eval_table(data.evals)
     assert header == ["data_source", "metric", "base", "sft", "rl"]
     assert sorted(rows) == [["all", "acc", 0.25, 0.5, 0.75], ["all", "mean@4", 0.125, 0.25, 0.375],
                             ["synthetic", "acc", 0.25, 0.5, 0.75], ["synthetic", "mean@4", 0.125, 0.25, 0.375]]
-    page = report.render(data, "t", None)
+    page = report_render.render(data, "t", None)
     assert "<td>all</td><td>acc</td><td>0.25</td><td>0.5</td><td>0.75</td>" in page
     # rows of neither layout: a note naming their columns, the rest of the report still renders
-    bad = report.RunData(RUN, {}, [], [], [], [{"label": "rl", "accuracy": 0.5}], 0)
-    assert "evals rows with columns [&#x27;accuracy&#x27;, &#x27;label&#x27;]" in report.render(bad, "t", None)
+    bad = report_render.RunData(RUN, {}, [], [], [], [{"label": "rl", "accuracy": 0.5}], 0)
+    assert "evals rows with columns [&#x27;accuracy&#x27;, &#x27;label&#x27;]" in report_render.render(bad, "t", None)
 
 
 def test_evals_of_another_run_id(local):
@@ -212,7 +213,7 @@ def test_write_report_saves_into_the_store(store):
     url = report.write_report(store, RUN, extra={"steps": 4})
     assert url == store.url(f"runs/{RUN}/report.html")
     saved = store.read_bytes(f"runs/{RUN}/report.html").decode()
-    assert saved.startswith("<!DOCTYPE html>") and len(images(saved)) == len(report.PANELS)
+    assert saved.startswith("<!DOCTYPE html>") and len(images(saved)) == len(report_render.PANELS)
     assert store.glob(f"runs/{RUN}/*") == [f"runs/{RUN}/report.html"]  # no temp file left
 
 
@@ -235,7 +236,7 @@ def test_cli_exit_codes(local, tmp_path):
     out = tmp_path / "out" / "report.html"
     done = cli("--root", local.root, "--run", RUN, "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert len(images(out.read_text())) == len(report.PANELS)
+    assert len(images(out.read_text())) == len(report_render.PANELS)
     done = cli("--root", local.root, "--run", RUN)  # into the store
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == local.url(f"runs/{RUN}/report.html")
