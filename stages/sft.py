@@ -21,7 +21,14 @@ import torch.nn.functional as F
 
 from infra.config import Config, DataConfig
 from infra.tracking import Tracker, progress_bar
-from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer, save_hf_folder
+from stages.model.loading import (
+    DTYPES,
+    chat_prompt_ids,
+    compute_dtype,
+    load_model,
+    load_tokenizer,
+    save_hf_folder,
+)
 from stages.model.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -98,7 +105,9 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def summed_token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum over response tokens of -log p(token | prefix)."""
+    """Sum over response tokens of -log p(token | prefix), on the model's device."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     targets = batch["input_ids"][:, 1:]
     mask = batch["loss_mask"][:, 1:]  # token t is predicted at position t-1
@@ -113,7 +122,7 @@ def num_target_tokens(examples: list[SFTExample]) -> int:
 def train_step(model, optimizer, examples: list[SFTExample], micro_batch_size: int, grad_clip: float, pad_id: int):
     """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm)."""
     global_tokens = num_target_tokens(examples)
-    total = torch.zeros(())
+    total = torch.zeros((), device=next(model.parameters()).device)
     for start in range(0, len(examples), micro_batch_size):
         micro = collate(examples[start : start + micro_batch_size], pad_id)
         loss = summed_token_nll(model, micro) / global_tokens
@@ -150,13 +159,17 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
     total_steps = cfg.sft.epochs * steps_per_epoch
     torch.manual_seed(cfg.run.seed)
-    model = load_model(model_dir, cfg.model).train()
+    # fp32 master weights on the GPU when there is one; forwards in model.dtype (autocast) when it is lower
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"})).to(device).train()
     optimizer = build_optimizer(model.parameters(), cfg.sft.optim)
     scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
     step = _resume(checkpoints, model, optimizer, scheduler)
     loop = _Loop(cfg, model, optimizer, scheduler, tokenizer.pad_token_id, tracker, checkpoints)
-    metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
-    save_hf_folder(model, tokenizer, out_dir)
+    dtype = compute_dtype(cfg.model)
+    with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+        metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
+    save_hf_folder(model.to("cpu", DTYPES[cfg.model.dtype]), tokenizer, out_dir)
     return SFTResult(out_dir, total_steps, metrics)
 
 
@@ -216,7 +229,7 @@ def _resume(checkpoints: Checkpoints, model, optimizer, scheduler) -> int:
     latest = checkpoints.latest()
     if latest is None:
         return 0
-    state = torch.load(latest / CHECKPOINT_FILE, weights_only=False)
+    state = torch.load(latest / CHECKPOINT_FILE, weights_only=False, map_location="cpu")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from infra.checkpoints import StoreCheckpoints
 from infra.config import OptimConfig, load_config
@@ -133,3 +134,15 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_config, tiny_model_dir,
         states.append(model.state_dict())
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_sft_trains_fp32_master_weights_and_saves_bf16(tiny_model_dir, tiny_data_dir, tmp_path):
+    # model.dtype is what forwards compute in (autocast); the optimizer updates fp32 weights, whose small
+    # steps bf16 weights would round away; the saved model is in model.dtype
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "sft.optim.lr=1e-2", "model.dtype=bfloat16"])
+    tracker = StopAt(stop=-1)
+    result = _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "out", ArtifactStore(str(tmp_path / "s")), tracker)
+    first, last = tracker.seen[0]["train/loss"], tracker.seen[-1]["train/loss"]
+    assert last < first - 0.5, (first, last)
+    with safe_open(str(result.model_dir / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
