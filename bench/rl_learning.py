@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
@@ -24,12 +25,13 @@ from infra.trajectories import RunTables
 from infra.tracking import Tracker
 from stages.data_prep import corpus_texts, run_data_prep
 from stages.evaluate import evaluate_model
+from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.tiny import build_tiny_model
 from stages.rl import run_rl
 from stages.sft import run_sft
 
 
-class NoCheckpoints:
+class NoCheckpoints:  # SFT only: RL's output is its final checkpoint, kept in the store
     def latest(self):
         return None
 
@@ -54,9 +56,13 @@ def main(overrides: list[str]) -> None:
     validation = folder / "data" / "validation.parquet"
     acc_sft = evaluate_model(cfg, folder / "sft", validation).metrics["acc"]
     sft_s, start = time.time() - start, time.time()
-    run_rl(cfg, str(folder / "sft"), folder / "data", folder / "rl", NoCheckpoints(),
-           RunTables(ArtifactStore(str(folder / "store")), "bench"), Tracker([]))
+    store = ArtifactStore(str(folder / "store"))
+    checkpoints = StoreCheckpoints(store, "bench", 1, {"init_model": str(folder / "sft")},
+                                   checkpoint_metadata(cfg.model))
+    result = run_rl(cfg, str(folder / "sft"), folder / "data", checkpoints, RunTables(store, "bench"), Tracker([]))
     rl_s = time.time() - start
+    shutil.rmtree(folder / "rl", ignore_errors=True)
+    merge_checkpoint(merge_source(store, result.checkpoint), folder / "rl")  # the RL model, as the flow makes it
     acc_rl = evaluate_model(cfg, folder / "rl", validation).metrics["acc"]
     scores = query(str(folder / "store"), "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")
     print(json.dumps({"overrides": overrides, "folder": str(folder), "sft_s": round(sft_s), "rl_s": round(rl_s),

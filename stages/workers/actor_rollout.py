@@ -221,6 +221,6 @@ class ActorRolloutWorker:
         load_train_state(Path(path) / "actor", self.actor, self.optimizer, self.scheduler)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """Plain HF weights (LoRA merged) on rank 0 (empty elsewhere), for saving the trained model."""
+        """Plain HF weights (LoRA merged) on rank 0 (empty elsewhere); tests compare them with checkpoints."""
         state = full_state_dict(self.actor)
         return hf_weights(state, self.lora_scale) if state else {}
