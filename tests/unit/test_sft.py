@@ -109,12 +109,18 @@ def test_resume_after_a_kill_continues_exactly(tiny_model_dir, tiny_data_dir, tm
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
 
 
-def test_sft_learns_and_lora_trains_only_adapters(tiny_model_dir, tiny_data_dir, tmp_path):
-    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "model.lora.rank=4", "sft.optim.lr=1e-2"])
+def learned(model_dir, data_dir, tmp_path, *overrides):
+    """Two epochs of SFT at a high learning rate; the training loss must fall by > 0.5 nats."""
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "sft.optim.lr=1e-2", *overrides])
     tracker = StopAt(stop=-1)
-    result = _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "out", ArtifactStore(str(tmp_path / "s")), tracker)
+    result = _run(cfg, model_dir, data_dir, tmp_path / "out", ArtifactStore(str(tmp_path / "s")), tracker)
     first, last = tracker.seen[0]["train/loss"], tracker.seen[-1]["train/loss"]
     assert last < first - 0.5, (first, last)
+    return result
+
+
+def test_sft_learns_and_lora_trains_only_adapters(tiny_model_dir, tiny_data_dir, tmp_path):
+    result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "model.lora.rank=4")
     assert math.isfinite(result.final_metrics["val/loss"])
     merged = load_model(result.model_dir, load_config(None).model, trainable=False).state_dict()  # plain names
     base = load_model(tiny_model_dir, load_config(None).model, trainable=False).state_dict()
@@ -139,10 +145,6 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_config, tiny_model_dir,
 def test_bf16_sft_trains_fp32_master_weights_and_saves_bf16(tiny_model_dir, tiny_data_dir, tmp_path):
     # model.dtype is what forwards compute in (autocast); the optimizer updates fp32 weights, whose small
     # steps bf16 weights would round away; the saved model is in model.dtype
-    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "sft.optim.lr=1e-2", "model.dtype=bfloat16"])
-    tracker = StopAt(stop=-1)
-    result = _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "out", ArtifactStore(str(tmp_path / "s")), tracker)
-    first, last = tracker.seen[0]["train/loss"], tracker.seen[-1]["train/loss"]
-    assert last < first - 0.5, (first, last)
+    result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "model.dtype=bfloat16")
     with safe_open(str(result.model_dir / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
