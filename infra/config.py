@@ -232,6 +232,13 @@ class Config(Section):
                 f"= {rows} samples per mini-batch must be divisible by the number of workers, "
                 f"ray.num_devices_per_node * ray.num_nodes = {ray.num_devices_per_node} * {ray.num_nodes} = {workers}"
             )
+        tp, engine = self.rl.rollout.tensor_model_parallel_size, self.rl.rollout.engine
+        if self.rl.enabled and tp > 1 and engine != "vllm":
+            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "
+                             "engine runs on one device); set it to 1")
+        if self.rl.enabled and workers % tp:
+            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} must divide the number of workers, "
+                             f"ray.num_devices_per_node * ray.num_nodes = {workers}")
         return self
 
 

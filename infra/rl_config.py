@@ -87,6 +87,10 @@ class RolloutConfig(_Section):
     )
     n: int = Field(8, gt=0, description="Samples per prompt.")
     max_num_seqs: int = Field(256, gt=0, description="vllm and cuda engines: sequences generated at once.")
+    tensor_model_parallel_size: int = Field(
+        1, gt=0, description="vllm: GPUs per rollout engine (tensor parallel); the workers form groups of this many "
+        "consecutive ranks, each group one engine generating one share of the prompts. Must divide the number of "
+        "workers; other engines: 1.")
     temperature: float = Field(1.0, gt=0, description="Training sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1: off.")

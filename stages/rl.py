@@ -225,12 +225,16 @@ class RLTrainer:
         return batch
 
     def rollout(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
-        """Data-parallel generation: rank r's engine samples its consecutive share of the prompts (with its
-        own seed); outputs come back prompt-major with indices into `prompt_ids`."""
-        shards = rank_rows(len(prompt_ids), self.world_size, max(1, len(prompt_ids)))
-        seeds = [None if params.seed is None else params.seed + 1_000_003 * rank for rank in range(self.world_size)]
-        results = self.actor.call_each("generate", [([prompt_ids[i] for i in rows], replace(params, seed=seed))
-                                                    for rows, seed in zip(shards, seeds)])
+        """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
+        rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
+        outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`."""
+        tp = self.rl.rollout.tensor_model_parallel_size
+        engines = self.world_size // tp
+        shards = rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
+        seeds = [None if params.seed is None else params.seed + 1_000_003 * g for g in range(engines)]
+        calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp]))
+                 for r in range(self.world_size)]
+        results = self.actor.call_each("generate", calls)[::tp]
         return [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
 
     def score(self, batch: Batch) -> None:

@@ -45,6 +45,23 @@ LOGPROBS_MODE = "processed_logprobs"
 CPU_BATCHED_TOKENS = 1 << 17
 
 
+def _unlink_shm_names(tensor_parallel_size: int) -> None:
+    """Remove the /dev/shm names of this rank's tensor-parallel group (vLLM names them after the group's ranks
+    only, e.g. `-tp:0-[0-1]-cpushm_0`), between barriers over the workers' world. Called before the engine
+    starts (a name left by killed workers makes the start fail with EEXIST) and after every rank has
+    mapped the segments (their mappings live on; killed workers then leave nothing behind)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    first = rank - rank % tensor_parallel_size
+    ranks = "-".join(str(r) for r in range(first, first + tensor_parallel_size))
+    dist.barrier()
+    for path in Path("/dev/shm").iterdir():
+        if f"-[{ranks}]-cpushm_" in path.name:
+            path.unlink(missing_ok=True)
+    dist.barrier()
+
+
 @contextmanager
 def _without_proxy_modules():
     """Hide modules holding werkzeug LocalProxy objects (Flask's `current_app`, ...) while vLLM starts.
@@ -68,10 +85,12 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 1024,
                  enforce_eager: bool = True, gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False,
-                 external_launcher: bool = False, max_num_seqs: int = 256):
+                 external_launcher: bool = False, max_num_seqs: int = 256, tensor_parallel_size: int = 1):
         """`external_launcher`: join the torch.distributed world this process already belongs to (RANK and
-        LOCAL_RANK set, as torchrun does) instead of creating one; with tensor parallel size 1 every rank's
-        engine then generates on its own (data-parallel rollout next to FSDP training in that world)."""
+        LOCAL_RANK set, as torchrun does) instead of creating one. vLLM then groups consecutive ranks by
+        `tensor_parallel_size` (its "external data parallel" layout): each group is one engine whose ranks
+        must call `generate` together with the same prompts, and the groups generate independently
+        (data-parallel rollout next to FSDP training in that world)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight sync and a shared gloo group
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to size it from NUMA
@@ -87,13 +106,19 @@ class VLLMRolloutEngine:
         budget = {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_BATCHED_TOKENS}
         if external_launcher:
             budget["distributed_executor_backend"] = "external_launcher"
+        cpu_shm = external_launcher and tensor_parallel_size > 1 and not torch.cuda.is_available()
+        if cpu_shm:  # vLLM's CPU tensor parallel talks through /dev/shm segments named after the group's ranks
+            _unlink_shm_names(tensor_parallel_size)
         with _without_proxy_modules():
             self.llm = vllm.LLM(
                 model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
                 enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                tensor_parallel_size=tensor_parallel_size,
                 enable_sleep_mode=enable_sleep_mode, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION_CLS,
                 **budget,
             )
+        if cpu_shm:
+            _unlink_shm_names(tensor_parallel_size)
         self.stop_token_ids = default_stop_token_ids(self.model_dir, self.llm.get_tokenizer().eos_token_id)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -158,6 +183,10 @@ class VLLMRolloutEngine:
         if missing := sorted(expected - seen):
             raise ValueError(f"update_weights: the weight stream lacked {missing[:5]}; the engine is now "
                              "inconsistent: pass every HF-named tensor (merge LoRA adapters first)")
+
+    def param_count(self) -> int:
+        """Parameters held by this process's part of the engine (all of them at tensor parallel size 1)."""
+        return self.llm.collective_rpc("param_count")[0]
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache (CUDA with `enable_sleep_mode`); otherwise nothing."""

@@ -26,3 +26,7 @@ class WeightSyncExtension:
     def load_weight_stream(self, weights) -> None:
         """Load HF-named (name, tensor) pairs from an iterator, consumed layer by layer (in-process engines)."""
         self.model_runner.reload_weights(weights_iterator=weights)
+
+    def param_count(self) -> int:
+        """Parameters this worker's model holds (a tensor-parallel rank holds its shards)."""
+        return sum(p.numel() for p in self.model_runner.model.parameters())

@@ -60,7 +60,8 @@ def make_engine(cfg: Config, model_dir: str):
                                  enforce_eager=rollout.enforce_eager,
                                  gpu_memory_utilization=rollout.gpu_memory_utilization,
                                  enable_sleep_mode=torch.cuda.is_available(), external_launcher=True,
-                                 max_num_seqs=rollout.max_num_seqs)
+                                 max_num_seqs=rollout.max_num_seqs,
+                                 tensor_parallel_size=rollout.tensor_model_parallel_size)
     if rollout.engine not in ("hf", "cuda"):
         raise ValueError(f"rl.rollout.engine={rollout.engine!r} is not an engine: set it to vllm, hf or cuda")
     tokenizer = load_tokenizer(model_dir)
@@ -126,6 +127,10 @@ class ActorRolloutWorker:
             return self.engine.generate(prompt_ids, params)
         finally:
             self.engine.sleep()
+
+    def engine_param_count(self) -> int:
+        """Parameters this rank's vllm engine holds (its shard under tensor parallel rollout)."""
+        return self.engine.param_count()
 
     # ---- inference passes ------------------------------------------------------------------------
 

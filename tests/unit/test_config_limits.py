@@ -12,6 +12,15 @@ def test_workers_must_divide_every_mini_batch():
         load_config(None, ["rl.enabled=true", "ray.num_devices_per_node=3"])
 
 
+def test_tensor_parallel_rollout_needs_vllm_and_must_divide_the_workers():
+    tp2 = ["rl.enabled=true", "ray.num_devices_per_node=4", "rl.rollout.tensor_model_parallel_size=2"]
+    assert load_config(None, tp2).rl.rollout.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 needs rl.rollout.engine=vllm"):
+        load_config(None, tp2 + ["rl.rollout.engine=cuda"])
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 must divide the number of workers.* = 4"):
+        load_config(None, tp2 + ["rl.rollout.tensor_model_parallel_size=3"])
+
+
 def test_unknown_evaluation_engine_is_refused_with_the_choices():
     assert load_config(None, ["evaluate.engine=vllm"]).evaluate.engine == "vllm"
     with pytest.raises(ConfigError, match=r"evaluate.engine = 'sglang'.*'auto', 'vllm' or 'hf'"):
