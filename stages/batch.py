@@ -121,7 +121,8 @@ def gather_rows(parts: list[torch.Tensor], shards: list[list[int]]) -> torch.Ten
 def balance_batch(batch: Batch, num_ranks: int, mini_rows: int) -> tuple[Batch, dict[str, float]]:
     """Reorder rows inside each mini-batch so its `num_ranks` parts (see `rank_rows`) hold similar numbers of
     tokens (greedy: longest row first, to the rank with the fewest tokens so far that has room). Per-row
-    tensors and metadata (group ids included) move with their rows, so group statistics are unchanged.
+    tensors and metadata (group ids included) move with their rows, so group statistics are unchanged; the
+    given order is kept when the greedy one would not lower the busiest rank's tokens.
     Metrics: tokens per rank before and after."""
     lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     before = _rank_tokens(lengths, rank_rows(len(batch), num_ranks, mini_rows))
@@ -138,9 +139,10 @@ def balance_batch(batch: Batch, num_ranks: int, mini_rows: int) -> tuple[Batch, 
             parts[k].append(row)
             totals[k] += lengths[row]
         order.extend(row for part in parts for row in sorted(part))
-    balanced = batch.select(order)
     after = _rank_tokens([lengths[i] for i in order], rank_rows(len(batch), num_ranks, mini_rows))
-    return balanced, _seqlen_metrics(before, after)
+    if max(after) >= max(before):  # the greedy (equal row counts per rank) can lose to the given order
+        return batch, _seqlen_metrics(before, before)
+    return batch.select(order), _seqlen_metrics(before, after)
 
 
 def _rank_tokens(lengths: list[int], shards: list[list[int]]) -> list[int]:

@@ -78,6 +78,14 @@ def test_balance_batch_evens_tokens_per_rank_inside_each_mini_batch():
     assert max(per_rank) - min(per_rank) <= 40  # within one long row
 
 
+def test_balance_batch_keeps_an_order_it_cannot_improve():
+    lengths = [1, 8, 7, 9, 5, 6, 7, 5]  # greedy with 4 rows per rank: 30 tokens on one rank; as given: 29
+    batch = build_batch([[5]] * 8, [[7] * n for n in lengths], [[0.0] * n for n in lengths], 0)
+    balanced, metrics = balance_batch(batch, 2, 8)
+    assert balanced is batch
+    assert metrics["global_seqlen/balanced_max"] == metrics["global_seqlen/max"] == 29
+
+
 def test_micro_batch_groups_match_another_ranks_count():
     groups = balanced_groups([5, 1, 9, 3, 3], 3)
     assert sorted(r for g in groups for r in g) == [0, 1, 2, 3, 4] and all(groups)
