@@ -42,6 +42,19 @@ def workload_model(quick: bool, device: str, dtype: torch.dtype = torch.bfloat16
     return model.eval()
 
 
+def word_tokenizer(config):
+    """A fast tokenizer whose word `w<i>` is token i (EOS and pad named as Qwen2.5 names them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {config.eos_token_id: "<|im_end|>", config.pad_token_id: "<|endoftext|>"}
+    vocab = {specials.get(i, f"w{i}"): i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="w0", padding_side="left")
+
+
 def num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embedding counted once
 

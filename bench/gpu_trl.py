@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import Results, calibrate_eos, machine, workload_model, workload_prompts  # noqa: E402
+from bench.gpu_common import Results, calibrate_eos, machine, word_tokenizer, workload_model  # noqa: E402
+from bench.gpu_common import workload_prompts  # noqa: E402
 
 STEPS_PER_CYCLE = 2  # optimizer steps per 256 generated sequences, as bench/gpu_worker.py's --minis 2
 
@@ -53,19 +54,6 @@ def parse_args(argv=None):
     if args.ours and not Path(args.ours).is_file():
         p.error(f"--ours={args.ours}: no such file; run bench/gpu_worker.py first or leave --ours out")
     return args
-
-
-def word_tokenizer(config):
-    """A fast tokenizer whose word `w<i>` is token i (EOS and pad named as Qwen2.5 names them)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = {config.eos_token_id: "<|im_end|>", config.pad_token_id: "<|endoftext|>"}
-    vocab = {specials.get(i, f"w{i}"): i for i in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="w0", padding_side="left")
 
 
 def reward(completions, completion_ids, **_) -> list[float]:

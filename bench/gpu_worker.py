@@ -81,8 +81,7 @@ def build_model_dir(quick: bool, device: str) -> tuple:
     (folder, EOS calibration, number of parameters, model config)."""
     import torch
 
-    from bench.gpu_common import calibrate_eos, workload_model
-    from bench.gpu_trl import word_tokenizer
+    from bench.gpu_common import calibrate_eos, num_params, word_tokenizer, workload_model
 
     model = workload_model(quick, device, torch.float32)
     info = calibrate_eos(model, hazard=1 / 200)
@@ -92,7 +91,7 @@ def build_model_dir(quick: bool, device: str) -> tuple:
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.to(torch.float32 if quick else torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder, info, sum(p.numel() for p in model.parameters()), model.config
+    return folder, info, num_params(model), model.config
 
 
 class Bench:

@@ -81,7 +81,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir):
     mask = batch.response_mask
     gap = float(((lp - fp32).abs() * mask).max())
     assert 0 < gap < 0.1  # computed in bf16: close to fp32, not equal
-    w.update_actor(batch.__class__({**batch.tensors, "old_logprobs": lp, "ref_logprobs": lp}, batch.meta))
+    w.update_actor(Batch({**batch.tensors, "old_logprobs": lp, "ref_logprobs": lp}, batch.meta))
     assert {p.dtype for p in w.actor.parameters()} == {torch.float32}
     assert {s["exp_avg"].dtype for s in w.optimizer.state.values()} == {torch.float32}
 
