@@ -14,12 +14,14 @@ transformers' generate, our engine and the trainer all see the same model and th
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
 import subprocess
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -150,6 +152,71 @@ def profile_kernels(fn, path: Path, rows: int = 35) -> str:
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
     Path(path).write_text(table)
     return table
+
+
+KERNEL_KINDS = {  # kernel name fragments (lower case) -> a kind, first match wins
+    "attention": ("flash", "fmha", "attention"), "gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas"),
+    "optimizer": ("adam",), "nccl": ("nccl",), "compiled (triton)": ("triton",),
+    "copy/fill/cast": ("copy", "memcpy", "memset", "fill", "cat", "elementwise", "vectorized", "reduce"),
+}
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS.items() if any(p in low for p in parts)), "other")
+
+
+def profile_phase(fn, path: Path, rows: int = 30):
+    """Run fn() under torch.profiler: (its result, a summary). The summary gives the device's busy time (the
+    union of kernel intervals, streams overlapped), kernel time by kind, and writes the top kernels and the
+    top host ops (by self CPU time) to `path`. Profiling slows the host, so compare busy time with an
+    unprofiled wall time of the same work."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    syncs: collections.Counter = collections.Counter()  # host waits for the device, by where they happen
+
+    def record_sync(message, category, filename, lineno, file=None, line=None):
+        syncs["".join(traceback.format_stack(limit=9)[:-2])] += 1
+
+    sync()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record_sync
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                result = fn()
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+                sync()
+        finally:
+            torch.cuda.set_sync_debug_mode(0) if cuda else None
+    wall = time.perf_counter() - start
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    busy, end, by_kind, by_name = 0.0, float("-inf"), {}, {}
+    for s, e, name in kernels:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s) / 1e6
+        total, calls = by_name.get(name, (0.0, 0))
+        by_name[name] = (total + (e - s) / 1e3, calls + 1)
+    summary = {"profiled_wall_s": wall, "device_busy_s": busy / 1e6, "kernels": len(kernels),
+               "host_syncs": sum(syncs.values()),
+               **{f"kernel_s/{k}": v for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: 2 * rows]
+    text = ["\n".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()),
+            "kernel ms | calls | kind | name\n" + "\n".join(
+                f"{ms:9.2f} | {calls:6d} | {kernel_kind(name):18s} | {name[:160]}" for name, (ms, calls) in top),
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90),
+            "host syncs by call stack:\n" + "\n".join(f"x{n}:\n{stack}" for stack, n in syncs.most_common())]
+    Path(path).write_text("\n\n".join(text))
+    return result, summary
 
 
 def peak_gib() -> float:

@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--minis", type=int, default=2, help="optimizer steps per GRPO step (mini-batches)")
     p.add_argument("--steps", type=int, default=3, help="timed GRPO steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step with its update_actor under torch.profiler (profile-NAME-nN.txt)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (after the recipe)")
     args = p.parse_args(argv)
     args.prompts = args.prompts or (2 if args.quick else 32)
@@ -135,7 +137,10 @@ class Bench:
         times[name] = time.perf_counter() - start
         return result
 
-    def run(self) -> dict:
+    def run(self, profile: Path | None = None) -> dict:
+        """One GRPO step; `profile`: the update under torch.profiler, kernel tables written there."""
+        import torch._dynamo
+
         from stages.rollout.base import SamplingParams
 
         times, peaks = {}, {}
@@ -149,14 +154,22 @@ class Bench:
         t["old_logprobs"], t["entropy"] = self.phase("old_log_prob", times, peaks, self.worker.compute_logprobs,
                                                      shard, "actor", True)
         self.phase("adv", times, peaks, self.advantages, batch, shard)
-        metrics = self.phase("update_actor", times, peaks, self.worker.update_actor, shard)
+        update = self.worker.update_actor
+        if profile is not None:
+            def update(rows):
+                from bench.gpu_common import profile_phase
+
+                metrics, self.profile = profile_phase(lambda: self.worker.update_actor(rows), profile)
+                return metrics
+        metrics = self.phase("update_actor", times, peaks, update, shard)
         sync = self.phase("sync", times, peaks, self.worker.sync_weights, prompts[:2])
         times["step"] = sum(times[p] for p in PHASES)
         self.step_index += 1
         return {**{f"timing_s/{k}": v for k, v in times.items()}, **peaks, **info,
                 "actor/grad_norm": metrics["actor/grad_norm"], "actor/pg_loss": metrics["actor/pg_loss"],
                 "rollout/logprob_diff_max": sync.get("rollout/logprob_diff_max", float("nan")),
-                "local_tokens": int(shard.tensors["attention_mask"].sum())}
+                "local_tokens": int(shard.tensors["attention_mask"].sum()),
+                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}  # recompiles show here
 
     def generate(self, prompts, params):
         """This rank's rollouts, then the driver's part: gather, score, balance (every rank alike)."""
@@ -265,6 +278,17 @@ def main(argv=None) -> None:
                 (f"N={world}: sequences/s", summary["seq_per_s"], f"{summary['sequences_per_step']:.0f} per step"),
                 (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"], "")]
         rows += [(f"N={world}: {k}", v, "") for k, v in summary.items() if k.startswith(("mfu/", "peak_gib/"))]
+    if args.profile:
+        folder = res.out if res else Path(tempfile.mkdtemp())
+        figures = reduce_step(bench.run(profile=folder / f"profile-{args.name}-n{world}.txt"))
+        if res:
+            busy = bench.profile["device_busy_s"]
+            res.add("profile", {**bench.profile, "update_s": figures["timing_s/update_actor"],
+                                "busy_share_of_unprofiled_update": busy / summary["timing_s/update_actor"]})
+            rows += [("profiled update: device busy s", busy, f"of {summary['timing_s/update_actor']:.3f} s "
+                      "unprofiled (median)"),
+                     *[(f"  {k}", v, "") for k, v in bench.profile.items() if k.startswith("kernel_s/")]]
+    if res:
         res.table(rows)
     dist.destroy_process_group()
 

@@ -53,7 +53,7 @@ PANELS = (
     Panel("KL", "KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty"),
           "actor/ppo_kl comes with the actor update; actor/kl_loss with rl.actor.use_kl_loss; "
           "actor/reward_kl_penalty with rl.algorithm.use_kl_in_reward"),
-    Panel("Entropy", "nats / token", ("actor/entropy",), "logged by the actor update"),
+    Panel("Entropy", "nats / token", ("actor/entropy",), "of the policy before its update (old-logprob pass)"),
     Panel("Response length", "tokens", ("response_length/mean",), "logged every RL step by the driver",
           band=("response_length/min", "response_length/max")),
     Panel("Gradient norm", "L2 norm before clipping", ("actor/grad_norm", "critic/grad_norm"),

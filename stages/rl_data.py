@@ -118,7 +118,8 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
 
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
-    """verl's data metrics: scores, rewards, advantages, returns, values, lengths."""
+    """verl's data metrics: scores, rewards, advantages, returns, values, lengths, and the old policy's
+    entropy (token mean, from the old-logprob pass; verl's actor/entropy)."""
     t, mask = batch.tensors, batch.response_mask
     lengths = mask.sum(-1).float()
     prompt_lengths = t["attention_mask"].sum(-1).float() - lengths
@@ -132,6 +133,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     metrics.update(_stats("response_length", lengths))
     metrics["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
     metrics.update(_stats("prompt_length", prompt_lengths))
+    if "entropy" in t:
+        metrics["actor/entropy"] = float((t["entropy"] * mask).sum() / mask.sum().clamp(min=1))
     return metrics
 
 

@@ -48,13 +48,61 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logprobs, entropy
 
 
-_COMPILED: dict[str, object] = {}
+def _head_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """(logprobs, logsumexp, entropy or zeros) of raw logits (N, V), in float32."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
+    return logprobs, lse, entropy
 
 
-def _compiled_chunk_logprobs():
-    if "chunk" not in _COMPILED:
-        _COMPILED["chunk"] = torch.compile(_chunk_logprobs, dynamic=True)
-    return _COMPILED["chunk"]
+def _head_logits_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, temperature: float):
+    """-grad * softmax(logits / T) / T in logits' dtype: d(sum grad * logprobs)/d logits but for the targets'
+    +grad / T (added by the caller). One elementwise pass (no one-hot: column indices cost int64 divisions)."""
+    probs = torch.exp(logits.float() / temperature - lse.unsqueeze(-1))
+    return (probs * (-grad / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
+_COMPILED: dict[object, object] = {}
+
+
+def _compiled(fn, enabled: bool = True):
+    """fn compiled once (dynamic shapes: chunks and packed lengths vary), or fn itself when not enabled."""
+    if not enabled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+class _HeadChunk(torch.autograd.Function):
+    """Logprobs of `targets` under hidden @ weight.T: saves the chunk's logsumexp, not its logits.
+
+    Backward recomputes the logits (one matmul, as activation checkpointing would) but not their reductions:
+    with the saved logsumexp, the logits' gradient is one elementwise pass. The entropy, when asked for, is a
+    metric here (no gradient flows through it; entropy bonuses take the checkpointed path)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, compile_head: bool):
+        logprobs, lse, entropy = _compiled(_head_forward, compile_head)(F.linear(hidden, weight), targets,
+                                                                        temperature, with_entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, logprobs)
+        ctx.temperature, ctx.compile_head = temperature, compile_head
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets, lse, logprobs = ctx.saved_tensors
+        grad_logits = _compiled(_head_logits_grad, ctx.compile_head)(F.linear(hidden, weight), lse, grad_logprobs,
+                                                                    ctx.temperature)
+        # the targets' entries: grad * (1 - p) / T, from float32 (grad * (-p) rounded first would lose it)
+        rows = torch.arange(len(targets), device=targets.device)
+        grad_logits[rows, targets] = (grad_logprobs * -torch.expm1(logprobs) / ctx.temperature).to(grad_logits.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -62,21 +110,23 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                      checkpoint_head: bool = True, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (and entropy) of `targets` (B, R) from final hidden states (B, R, H), chunk by chunk.
 
-    entropy_grad=False: the entropy is a metric only (no entropy bonus), so backward skips its softmax.
-    checkpoint_head=False keeps each chunk's activations for backward instead of recomputing its vocabulary
-    projection (one matmul of three saved, for chunk x vocabulary bf16 logits kept per chunk).
+    With gradients, each chunk's vocabulary projection is recomputed in backward (`_HeadChunk`; with an
+    entropy bonus, `entropy_grad`, the whole chunk under activation checkpointing). checkpoint_head=False
+    keeps each chunk's activations for backward instead (chunk x vocabulary logits kept per chunk).
+    entropy_grad=False: the entropy is a metric only, without gradient.
     """
     b, r, h = hidden.shape
     flat_h, flat_t = hidden.reshape(b * r, h), targets.reshape(b * r)
-    fn = _compiled_chunk_logprobs() if compile_head else _chunk_logprobs
     outs_lp, outs_ent = [], []
     for start in range(0, b * r, chunk_tokens):
-        args = (flat_h[start : start + chunk_tokens], weight, flat_t[start : start + chunk_tokens], temperature,
-                with_entropy, entropy_grad)
-        if torch.is_grad_enabled() and checkpoint_head:
-            lp, ent = checkpoint(fn, *args, use_reentrant=False)
+        chunk_h, chunk_t = flat_h[start : start + chunk_tokens], flat_t[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and checkpoint_head and not (with_entropy and entropy_grad):
+            lp, ent = _HeadChunk.apply(chunk_h, weight, chunk_t, temperature, with_entropy, compile_head)
         else:
-            lp, ent = fn(*args)
+            args = (chunk_h, weight, chunk_t, temperature, with_entropy, entropy_grad)
+            fn = _compiled(_chunk_logprobs, compile_head)
+            lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() and checkpoint_head \
+                else fn(*args)
         outs_lp.append(lp)
         outs_ent.append(ent)
     # clone: FSDP2 warns on (and can mishandle) view outputs of a sharded module's forward
@@ -125,9 +175,9 @@ class TokenLogprobs(nn.Module):
                       max_length_k=longest).last_hidden_state[0]  # (T, H)
         lp, ent = chunked_logprobs(hidden[packed["predicting"]][None], lm_head.weight, packed["targets"][None],
                                    temperature, with_entropy, self.chunk_tokens, **head)
-        mask = packed["response_mask"]
-        out_lp = lp.new_zeros(mask.shape).masked_scatter(mask, lp[0])
-        out_ent = ent.new_zeros(mask.shape).masked_scatter(mask, ent[0])
+        shape, where = packed["response_mask"].shape, packed["response_index"]  # scatter: no host sync
+        out_lp = lp.new_zeros(shape.numel()).scatter(0, where, lp[0]).view(shape)
+        out_ent = ent.new_zeros(shape.numel()).scatter(0, where, ent[0]).view(shape)
         return out_lp, out_ent
 
 
@@ -139,8 +189,9 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_respons
 
     Each row's real tokens must be contiguous (left-padded prompt of >= 1 token, then a right-padded
     response), as `stages.batch.build_batch` makes them. Returns input_ids, position_ids (T,),
-    cu_seqlens (B+1,) int32, max_seqlen (int), response_mask (B, R) bool, targets (K,) the response
-    tokens in row-major order and predicting (K,) the packed index of the state that predicts each.
+    cu_seqlens (B+1,) int32, max_seqlen (int), response_mask (B, R) bool, response_index (K,) the flat
+    (B * R) positions of the K response tokens in row-major order, targets (K,) those tokens and predicting
+    (K,) the packed index of the state that predicts each.
     """
     mask = attention_mask.bool()
     lengths = mask.sum(-1)  # (B,)
@@ -155,29 +206,57 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_respons
     target_index = target_index[response]
     return {
         "input_ids": flat_ids, "position_ids": (mask.cumsum(-1) - 1)[mask], "cu_seqlens": cu.to(torch.int32),
-        "max_seqlen": int(lengths.max()), "response_mask": response, "targets": flat_ids[target_index],
+        "max_seqlen": int(lengths.max()), "response_mask": response,
+        "response_index": response.reshape(-1).nonzero().squeeze(-1), "targets": flat_ids[target_index],
         "predicting": target_index - 1,
     }
 
 
-class _FlashVarlen(torch.autograd.Function):
-    """Causal attention within packed sequences through ATen's flash kernel (CUDA, bf16/fp16, GQA)."""
+@torch.library.custom_op("rlpipe::flash_varlen", mutates_args=())
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within packed sequences through ATen's flash kernel (CUDA, bf16/fp16, GQA): (out, lse).
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
-        return out
+    A custom op, so torch.compile keeps a decoder layer in one graph around it (no graph break)."""
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+    return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True,
-            rng_state, unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+
+@_flash_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("rlpipe::flash_varlen_backward", mutates_args=())
+def _flash_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
+        *no_dropout, scale=scale)
+    return dq, dk, dv
+
+
+@_flash_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _flash_varlen_grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _flash_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_flash_varlen.register_autograd(_flash_varlen_grad, setup_context=_flash_varlen_setup)
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -186,8 +265,9 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     cu_seqlens (S+1,) int32 are the sequences' boundaries; head h attends with kv head h // (H / H_kv).
     """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        return _FlashVarlen.apply(query, key, value, cu_seqlens, max_seqlen, scale)
+        return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scale)[0]
     groups = query.shape[1] // key.shape[1]
     bounds = cu_seqlens.tolist()
     outs = []

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from infra.config import Config
 from infra.rl_config import _Optim
 from stages.batch import Batch
-from stages.core import POLICY_LOSSES, agg_loss, kl_loss, loss_denominators, masked_mean
+from stages.core import POLICY_LOSSES, agg_loss, kl_loss, loss_denominators
 
 logger = logging.getLogger(__name__)
 LOSS_INPUTS = ("old_logprobs", "ref_logprobs", "advantages", "response_mask")  # besides the model's inputs
@@ -104,12 +104,19 @@ def reshard_after_forward(cfg: _Optim, model: torch.nn.Module) -> bool:
 
 def accumulate(model, groups: list[list[int]], cfg: _Optim):
     """Yield the micro-batches' rows; unless `grad_sync_every_micro_batch` (None: unless the gathered model
-    fits, `gathered_fits`), FSDP2 reduces the summed gradients once, after the mini-batch's last one."""
+    fits, `gathered_fits`), FSDP2 reduces the summed gradients once, after the mini-batch's last one. When
+    the weights also stay gathered through forward (`reshard_after_forward` False), they stay gathered from
+    one micro-batch to the next too (they do not change within a mini-batch): one gather per mini-batch
+    instead of one per micro-batch (at N = 1 a cast and copies of every parameter, and their launches)."""
     every = cfg.grad_sync_every_micro_batch
     every = not gathered_fits(model) if every is None else every
+    keep = not every and not reshard_after_forward(cfg, model)
     for i, rows in enumerate(groups):
+        last = i == len(groups) - 1
         if not every:
-            model.set_requires_gradient_sync(i == len(groups) - 1)
+            model.set_requires_gradient_sync(last)
+        if keep:
+            model.set_reshard_after_backward(last)
         yield rows
 
 
@@ -125,11 +132,25 @@ def global_denominators(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: all_reduce(v) for k, v in loss_denominators(response_mask).items()}
 
 
-def grad_norm(module: torch.nn.Module, max_norm: float) -> float:
+def clipped_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple:
+    """Clip the gradients to `max_norm`, step unless their norm is not finite, zero them. Returns the norm and
+    1.0 if the step was skipped (else 0.0), both device scalars: an optimizer that takes `found_inf` (fused
+    AdamW, torch's GradScaler protocol) skips on the device, so the host never waits for it here; any other
+    optimizer reads the norm first."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    found_inf = (~torch.isfinite(norm)).float()
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif math.isfinite(float(norm)):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, found_inf
 
 
 class MetricMeans:
@@ -162,7 +183,7 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, to_device) -> dic
     actor = cfg.rl.actor
     mini_size = local_mini_rows(cfg)
     means = MetricMeans()
-    skipped = 0
+    skipped = 0.0
     for _ in range(actor.ppo_epochs):
         for start in range(0, len(batch), mini_size):
             mini = batch.select(list(range(start, min(start + mini_size, len(batch)))))
@@ -174,15 +195,12 @@ def update_policy(model, optimizer, batch: Batch, cfg: Config, to_device) -> dic
                 loss.backward()
                 mini_loss = mini_loss + loss.detach()
                 means.add(metrics, weight=float(micro.response_mask.sum()))
-            norm = grad_norm(model, actor.grad_clip)
-            if math.isfinite(norm):
-                optimizer.step()
-            else:
-                skipped += 1
-                logger.warning("actor: non-finite gradient norm (%s); optimizer step skipped", norm)
-            optimizer.zero_grad(set_to_none=True)
-            global_loss = all_reduce(torch.tensor(float(mini_loss), dtype=torch.float64))  # the mini-batch's loss
-            means.add({"actor/grad_norm": norm, "actor/loss": float(global_loss)})
+            norm, found_inf = clipped_step(model, optimizer, actor.grad_clip)
+            skipped = skipped + found_inf
+            means.add({"actor/grad_norm": norm, "actor/loss": all_reduce(mini_loss)})  # the mini-batch's loss
+    skipped = int(skipped)
+    if skipped:
+        logger.warning("actor: %d optimizer step(s) skipped: non-finite gradient norm", skipped)
     return {**means.result(), "actor/skipped_steps": skipped}
 
 
@@ -191,8 +209,8 @@ def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
     metrics as device scalars (see MetricMeans)."""
     actor = cfg.rl.actor
     t = to_device({k: micro.tensors[k] for k in LOSS_INPUTS if k in micro.tensors})
-    logprobs, entropy = model(**to_device(micro), temperature=cfg.rl.rollout.temperature,
-                              with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
+    bonus = actor.entropy_coeff > 0  # the entropy metric itself comes from the old-logprob pass (verl's)
+    logprobs, entropy = model(**to_device(micro), temperature=cfg.rl.rollout.temperature, with_entropy=bonus)
     mask = t["response_mask"]
     scale = {**denominators, "max_response_length": cfg.data.max_response_length}
     pg_loss, pg_metrics = POLICY_LOSSES.get(actor.policy_loss)(
@@ -202,9 +220,10 @@ def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
     )
     loss = pg_loss
     metrics = dict(pg_metrics)
-    metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
-    if actor.entropy_coeff > 0:
-        loss = loss - actor.entropy_coeff * agg_loss(entropy, mask, actor.loss_agg_mode, **scale)
+    if bonus:
+        entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode, **scale)
+        loss = loss - actor.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = entropy_loss.detach() * local_scale(denominators, micro.response_mask)
     if actor.use_kl_loss:
         kl, kl_metrics = kl_loss(logprobs, t["ref_logprobs"], mask, actor.kl_loss_type, actor.loss_agg_mode, **scale)
         loss = loss + actor.kl_loss_coef * kl

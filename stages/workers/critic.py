@@ -9,7 +9,6 @@ with the actor workers (rank r of both on device r).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -24,8 +23,8 @@ from stages.model.policy import ValueModel
 from stages.workers.actor_update import (
     MetricMeans,
     accumulate,
+    clipped_step,
     global_denominators,
-    grad_norm,
     local_mini_rows,
     local_scale,
     micro_batches,
@@ -86,10 +85,7 @@ class CriticWorker:
             loss.backward()
             local = loss.detach() * local_scale(scale, micro.response_mask)
             means.add({"critic/vf_loss": local, **metrics}, weight=float(micro.response_mask.sum()))
-        norm = grad_norm(self.model, self.critic_cfg.grad_clip)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm, _ = clipped_step(self.model, self.optimizer, self.critic_cfg.grad_clip)
         means.add({"critic/grad_norm": norm})
 
     def save_checkpoint(self, path: str) -> None:

@@ -183,7 +183,7 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
 
     for key in ("old_logprobs", "entropy", "ref_logprobs", "values"):
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5, msg=key)
-    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+    for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "actor/grad_norm",
                 "actor/pg_clipfrac", "critic/vf_loss", "critic/grad_norm"):
         metrics = one["actor_metrics"] | one["critic_metrics"], two["actor_metrics"] | two["critic_metrics"]
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
