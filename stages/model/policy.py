@@ -81,12 +81,20 @@ class _HeadChunk(torch.autograd.Function):
 
     Backward recomputes the logits (one matmul, as activation checkpointing would) but not their reductions:
     with the saved logsumexp, the logits' gradient is one elementwise pass. The entropy, when asked for, is a
-    metric here (no gradient flows through it; entropy bonuses take the checkpointed path)."""
+    metric here (no gradient flows through it; entropy bonuses take the checkpointed path). With
+    `compile_head` the passes over the logits are Triton kernels on CUDA (stages/model/head_kernels.py) and
+    torch.compile'd elsewhere."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, compile_head: bool):
-        logprobs, lse, entropy = _compiled(_head_forward, compile_head)(F.linear(hidden, weight), targets,
-                                                                        temperature, with_entropy)
+        logits = F.linear(hidden, weight)
+        if compile_head and logits.is_cuda:
+            from stages.model.head_kernels import head_forward
+
+            logprobs, lse, entropy = head_forward(logits, targets, temperature, with_entropy)
+        else:
+            logprobs, lse, entropy = _compiled(_head_forward, compile_head)(logits, targets, temperature,
+                                                                            with_entropy)
         ctx.save_for_backward(hidden, weight, targets, lse, logprobs)
         ctx.temperature, ctx.compile_head = temperature, compile_head
         ctx.mark_non_differentiable(entropy)
@@ -95,11 +103,16 @@ class _HeadChunk(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, targets, lse, logprobs = ctx.saved_tensors
-        grad_logits = _compiled(_head_logits_grad, ctx.compile_head)(F.linear(hidden, weight), lse, grad_logprobs,
-                                                                    ctx.temperature)
-        # the targets' entries: grad * (1 - p) / T, from float32 (grad * (-p) rounded first would lose it)
-        rows = torch.arange(len(targets), device=targets.device)
-        grad_logits[rows, targets] = (grad_logprobs * -torch.expm1(logprobs) / ctx.temperature).to(grad_logits.dtype)
+        logits = F.linear(hidden, weight)
+        if ctx.compile_head and logits.is_cuda:
+            from stages.model.head_kernels import head_backward_
+
+            grad_logits = head_backward_(logits, targets, lse, grad_logprobs, ctx.temperature)
+        else:
+            grad_logits = _compiled(_head_logits_grad, ctx.compile_head)(logits, lse, grad_logprobs, ctx.temperature)
+            # the targets' entries: grad * (1 - p) / T, from float32 (grad * (-p) rounded first would lose it)
+            rows = torch.arange(len(targets), device=targets.device)
+            grad_logits[rows, targets] = (grad_logprobs * -torch.expm1(logprobs) / ctx.temperature).to(logits.dtype)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None
@@ -120,13 +133,12 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     outs_lp, outs_ent = [], []
     for start in range(0, b * r, chunk_tokens):
         chunk_h, chunk_t = flat_h[start : start + chunk_tokens], flat_t[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and checkpoint_head and not (with_entropy and entropy_grad):
+        if not torch.is_grad_enabled() or (checkpoint_head and not (with_entropy and entropy_grad)):
             lp, ent = _HeadChunk.apply(chunk_h, weight, chunk_t, temperature, with_entropy, compile_head)
-        else:
+        else:  # an entropy bonus, or activations kept
             args = (chunk_h, weight, chunk_t, temperature, with_entropy, entropy_grad)
             fn = _compiled(_chunk_logprobs, compile_head)
-            lp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() and checkpoint_head \
-                else fn(*args)
+            lp, ent = checkpoint(fn, *args, use_reentrant=False) if checkpoint_head else fn(*args)
         outs_lp.append(lp)
         outs_ent.append(ent)
     # clone: FSDP2 warns on (and can mishandle) view outputs of a sharded module's forward
@@ -170,9 +182,12 @@ class TokenLogprobs(nn.Module):
 
     def _packed(self, body, lm_head, packed: dict, temperature: float, with_entropy: bool, head: dict):
         cu, longest = packed["cu_seqlens"], packed["max_seqlen"]
+        # transformers passes a prepared (4D) mask through as is, so it neither builds one nor looks for packed
+        # sequences in the position ids (a host sync per forward); the packed attention ignores it
+        no_mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=cu.device)
         hidden = body(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
-                      use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                      max_length_k=longest).last_hidden_state[0]  # (T, H)
+                      attention_mask=no_mask, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=longest, max_length_k=longest).last_hidden_state[0]  # (T, H)
         lp, ent = chunked_logprobs(hidden[packed["predicting"]][None], lm_head.weight, packed["targets"][None],
                                    temperature, with_entropy, self.chunk_tokens, **head)
         shape, where = packed["response_mask"].shape, packed["response_index"]  # scatter: no host sync
