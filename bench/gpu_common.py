@@ -179,7 +179,8 @@ def profile_phase(fn, path: Path, rows: int = 30):
     syncs: collections.Counter = collections.Counter()  # host waits for the device, by where they happen
 
     def record_sync(message, category, filename, lineno, file=None, line=None):
-        syncs["".join(traceback.format_stack(limit=9)[:-2])] += 1
+        if "synchroniz" in str(message):  # torch's sync debug warning; other warnings are not host waits
+            syncs["".join(traceback.format_stack(limit=9)[:-2])] += 1
 
     sync()
     start = time.perf_counter()
@@ -188,14 +189,12 @@ def profile_phase(fn, path: Path, rows: int = 30):
         warnings.showwarning = record_sync
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            try:
                 result = fn()
-                if cuda:
-                    torch.cuda.set_sync_debug_mode(0)
-                sync()
-        finally:
-            torch.cuda.set_sync_debug_mode(0) if cuda else None
+            finally:
+                torch.cuda.set_sync_debug_mode(0) if cuda else None
+            sync()  # inside: the profile keeps the kernels still queued
     wall = time.perf_counter() - start
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)

@@ -134,7 +134,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     metrics["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
     metrics.update(_stats("prompt_length", prompt_lengths))
     if "entropy" in t:
-        metrics["actor/entropy"] = float((t["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+        metrics["actor/entropy"] = float(masked_mean(t["entropy"], mask))
     return metrics
 
 

@@ -36,18 +36,6 @@ def hf_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return getattr(hf, hf.base_model_prefix), hf.get_output_embeddings()
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight).float() / temperature  # (N, V)
-    lse = torch.logsumexp(logits, dim=-1)  # (N,)
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    x, norm = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
-    entropy = norm - (torch.softmax(x, dim=-1) * x).sum(-1)
-    return logprobs, entropy
-
-
 def _head_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
     """(logprobs, logsumexp, entropy or zeros) of raw logits (N, V), in float32."""
     z = logits.float() / temperature
@@ -55,6 +43,13 @@ def _head_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
     return logprobs, lse, entropy
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole chunk under autograd (an entropy bonus, or activations kept): (logprobs, entropy)."""
+    logprobs, _, entropy = _head_forward(F.linear(hidden, weight), targets, temperature, with_entropy)
+    return logprobs, entropy if entropy_grad else entropy.detach()
 
 
 def _head_logits_grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, temperature: float):

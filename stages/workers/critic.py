@@ -77,7 +77,7 @@ class CriticWorker:
         scale = {**global_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
         for rows in accumulate(self.model, micro_batches(mini, self.critic_cfg), self.critic_cfg):
             micro = mini.select(rows)
-            t = self._inputs(micro.tensors)
+            t = self._inputs({k: micro.tensors[k] for k in ("values", "returns", "response_mask")})
             values = self.model(**self._inputs(micro))
             loss, metrics = clipped_value_loss(values, t["values"], t["returns"], t["response_mask"],
                                                self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode,
