@@ -353,4 +353,8 @@ class ValueModel(nn.Module):
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
         r = num_response_tokens
-        return self.value_head(hidden[:, -r - 1 : -1]).squeeze(-1).float()  # (B, R)
+        values = self.value_head(hidden[:, -r - 1 : -1]).squeeze(-1)  # (B, R)
+        # A new tensor, never a view (squeeze's, or float()'s in fp32): FSDP2 hangs the re-gather of the root's
+        # weights for backward on this output, and an in-place op on a view of it (`values.mul_(mask)`) drops
+        # that hook, so that backward reads freed weights when they are resharded after forward.
+        return values.to(torch.float32, copy=True)

@@ -31,6 +31,7 @@ from stages.merge import (
     store_merged,
 )
 from tests.conftest import TINY_OVERRIDES
+from tests.tolerances import greedy_margin
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 PROJECT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,10 @@ RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollou
       "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.test_freq=0", "rl.save_freq=0",
       "rl.val_before_train=false", "rl.reward.num_workers=1", "data.max_response_length=16"]
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rl.actor.lr=2e-2"]
-ATOL = 2e-5  # fp32: the same weights through FSDP2 and through plain transformers
+# fp32, the same weights through FSDP2 (padded batch, chunked head) and through plain transformers (one row):
+# these models' (weights of std 0.15) logprobs are within ~2e-5 of their float64 values, so twice that at most
+# apart; 1e-4 leaves a margin (as LOGPROB_ATOL in test_vllm_engine.py).
+ATOL = 1e-4
 # A random model never solves the arithmetic, so every GRPO advantage would be 0 and nothing would change; this
 # reward varies within groups (about half the samples earn it), so two steps move the weights.
 REWARD = '''
@@ -147,7 +151,8 @@ def assert_same_model(trained: Trained, merged: Path, probe, init_model: Path) -
         torch.testing.assert_close(merged_lp[row], worker_lp[row, :r], rtol=0, atol=ATOL)
         torch.testing.assert_close(merged_ent[row], worker_ent[row, :r], rtol=0, atol=ATOL)
     change = max((merged_lp[i] - init_lp[i]).abs().max().item() for i in range(len(probe[1])))
-    assert change > 100 * ATOL, f"RL did not change the model (max logprob change {change:.2e}): the test proves nothing"
+    # the untrained model would fail the comparison above by far: it tells trained from untrained weights
+    assert change > 10 * ATOL, f"RL did not change the model (max logprob change {change:.2e}): the test proves nothing"
 
 
 def test_merged_full_model_equals_the_worker(full, probe, init_model, tmp_path):
@@ -253,7 +258,7 @@ def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp
     ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, expected, before = ours(ids).logits, reference(ids).logits, base(ids).logits
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)  # logits <= 2: float32 rounding of W + s BA
     assert (logits - before).abs().max() > 1e-2  # the adapters were trained and merged
 
 
@@ -278,7 +283,8 @@ def test_vllm_serves_the_merged_folder_like_transformers(full, probe, tmp_path):
         ray.kill(engine)
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     reference = HFRolloutEngine(model, pad, eos).generate(prompts, params)
+    assert greedy_margin(model, prompts, [r.response_ids for r in reference]) > ATOL  # no near-tie on the way
     assert [o.response_ids for o in served] == [o.response_ids for o in reference]
     assert len({tuple(o.response_ids) for o in reference}) > 1, "degenerate model: one response for every prompt"
     for o, r in zip(served, reference):
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), rtol=0, atol=ATOL)

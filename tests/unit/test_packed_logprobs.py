@@ -7,6 +7,7 @@ import torch
 
 from stages.batch import build_batch
 from stages.model.policy import TokenLogprobs, pack_rows
+from tests.tolerances import assert_close_reordered
 from tests.unit.test_cuda_engine import PAD, tiny_model
 
 
@@ -37,11 +38,13 @@ def test_packed_forward_equals_padded_forward_and_gradients():
         module = TokenLogprobs(model, chunk_tokens=7, pack=pack)
         lp, ent = module(**inputs, temperature=0.9, with_entropy=True)
         ((lp * mask).sum() + (ent * mask).sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        results.append((lp * mask, ent * mask, grads))
+        results.append((lp * mask, ent * mask, {name: p.grad for name, p in model.named_parameters()}))
     (lp0, ent0, g0), (lp1, ent1, g1) = results
-    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
-    assert torch.allclose(g0, g1, atol=1e-5, rtol=1e-4)
+    # other attention kernels and shapes: this model's (weights of std 0.2) float32 logprobs and entropies are
+    # within ~6e-6 of their float64 values, so the two paths differ by up to about twice that
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=1e-4)
+    assert_close_reordered(g1, g0)
     assert (lp1 != 0).sum() == mask.sum()  # padding positions stay exactly zero
 
 
@@ -56,7 +59,8 @@ def test_entropy_without_gradient_keeps_values_and_logprob_gradients():
         (lp * mask).sum().backward()
         results.append((ent * mask, torch.cat([p.grad.flatten() for p in model.parameters()]), ent.requires_grad))
     (ent0, g0, req0), (ent1, g1, req1) = results
-    assert torch.allclose(ent0, ent1) and torch.allclose(g0, g1) and req0 and not req1
+    # the same forward and the same logprob graph (the entropy's part of it adds zeros): the same bits
+    assert torch.equal(ent0, ent1) and torch.equal(g0, g1) and req0 and not req1
 
 
 def test_head_gradients_match_full_log_softmax():
@@ -77,9 +81,9 @@ def test_head_gradients_match_full_log_softmax():
             logp = torch.log_softmax(hidden @ weight.T / 0.7, -1)
             lp, ent = logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
         grads = torch.autograd.grad((lp * upstream).sum(), (hidden, weight))
-        results.append((lp.detach(), ent.detach(), *grads))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        outputs = (lp.detach(), ent.detach(), *grads)
+        results.append(dict(zip(("logprobs", "entropy", "hidden grad", "weight grad"), outputs)))
+    assert_close_reordered(results[1], results[0])  # logits recomputed per chunk: the same sums, reordered
 
 
 def _graph_stats() -> tuple[int, int]:
