@@ -1,5 +1,6 @@
 # Two commands: `make demo` (the whole pipeline on the embedded default) and `make test` (the suite).
-# Both create .venv from requirements.lock first, and only when the lock changed.
+# Both create .venv from requirements.lock first, and only when the lock changed. `make demo ARGS=--verbose`
+# prints Prefect's, Ray's and vLLM's logs too (otherwise they go to the run folder, outputs/runs/<run_id>/).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3.11

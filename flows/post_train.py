@@ -1,16 +1,21 @@
 """The post-training flow: data prep -> base model -> SFT -> RL -> merge -> evaluation of each model -> report.
 
-Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache]
+Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache] [--verbose]
 
 The flow only sequences stages; each stage is a cached Prefect task (see tasks/stages.py), so a second
 run with the same config is all cache hits, and a run after a failure re-runs only what did not finish.
 RL returns its final checkpoint; merge turns it into the HF model that evaluation compares with the base
 and SFT models. The comparison is published every run (the `evals` table, Prefect table + markdown),
 and so is the RL run's HTML report (infra/report.py; in the store, linked from a markdown artifact).
+
+The console (infra/console.py, `tracking.console`): quiet by default, a line as each stage starts and one as
+it ends (ran or cached, wall time, a key figure), the progress bars, warnings, errors and the final table;
+the rest goes to log files in the run folder. `--verbose` (= `tracking.console=verbose`) shows it all.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +27,8 @@ prefect_env.configure()
 from prefect import flow, get_run_logger  # noqa: E402
 
 from infra.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
+from infra.console import RunConsole, hide_chatter  # noqa: E402
+from tasks.figures import FIGURES  # noqa: E402
 from tasks.stages import (  # noqa: E402
     RunContext,
     base_model_task,
@@ -49,41 +56,61 @@ def start_run(cfg: Config) -> RunContext:
     return RunContext(run_id=run_id, run_dir=str(run_dir))
 
 
-@flow(name="post-train", log_prints=True)
+@flow(name="post-train")
 def post_train(recipe: str | None = None, overrides: list[str] | None = None) -> dict:
     """Post-train a model end to end from a YAML recipe plus dotted overrides."""
     cfg = load_config(recipe, overrides or [])
     ctx = start_run(cfg)
-    get_run_logger().info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
-    stages = StageLog()
-    dataset = stages.run("data-prep", data_prep_task, cfg)
-    base_model = stages.run("base-model", base_model_task, cfg, dataset)
-    models, checkpoint = {"base": base_model}, None
-    if cfg.sft.enabled:
-        models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
-    if cfg.rl.enabled:
-        init_model = models.get("sft", base_model)
-        checkpoint = stages.run("rl", rl_task, cfg, dataset, init_model, ctx)
-        models["rl"] = stages.run("merge", merge_task, cfg, checkpoint, init_model)
-    results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
-               for label, model in models.items()}
-    publish_evals_task(cfg, results, ctx)
-    report = report_task(cfg, checkpoint, ctx) if checkpoint else None
-    print(summary_table(results, stages.states) + (f"\n\nrun report: {report}" if report else ""))
+    with RunConsole(ctx.run_dir, cfg.tracking.console) as console:
+        get_run_logger().info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
+        stages = StageLog(cfg, console)
+        dataset = stages.run("data-prep", data_prep_task, cfg)
+        base_model = stages.run("base-model", base_model_task, cfg, dataset)
+        models, checkpoint = {"base": base_model}, None
+        if cfg.sft.enabled:
+            models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
+        if cfg.rl.enabled:
+            init_model = models.get("sft", base_model)
+            checkpoint = stages.run("rl", rl_task, cfg, dataset, init_model, ctx)
+            models["rl"] = stages.run("merge", merge_task, cfg, checkpoint, init_model)
+        results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
+                   for label, model in models.items()}
+        publish_evals_task(cfg, results, ctx)
+        report = report_task(cfg, checkpoint, ctx) if checkpoint else None
+        console.line(summary_table(results, stages.states) + (f"\n\nrun report: {report}" if report else ""))
     return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states,
             "report": report}
 
 
 class StageLog:
-    """Runs tasks and remembers each one's final state name ('Completed' or 'Cached')."""
+    """Runs tasks, prints a line as each starts and one as it ends (ran or cached, wall time, the key figure
+    of tasks/figures.py, or the error) and remembers each one's final state name ('Completed' or 'Cached')."""
 
-    def __init__(self):
+    def __init__(self, cfg: Config, console: RunConsole):
+        self.cfg, self.console = cfg, console
         self.states: dict[str, str] = {}
 
     def run(self, name: str, task, *args):
-        state = task(*args, return_state=True)
+        self._line(name, "started")
+        start = time.monotonic()
+        with self.console.stage(name):
+            state = task(*args, return_state=True)
         self.states[name] = state.name
-        return state.result()
+        took = duration(time.monotonic() - start)
+        if not state.is_completed():
+            self._line(name, f"{state.name.lower()} after {took}: {state.message}")
+            return state.result()  # raises the task's error
+        result = state.result()
+        how = "cached" if state.name == "Cached" else "ran"
+        self._line(name, f"{how:<6} {took:>7}  {FIGURES[task.name](self.cfg, result)}")
+        return result
+
+    def _line(self, name: str, text: str) -> None:
+        self.console.line(f"{time.strftime('%H:%M:%S')} {name:<13} {text}")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
@@ -94,23 +121,29 @@ def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    args = [a for a in argv if a != "--refresh-cache"]
-    if len(args) != len(argv):
-        import os
-
-        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """-> (recipe, overrides). `--verbose` becomes the override tracking.console=verbose, so that it reaches the
+    flow as a parameter like any other (a deployment's run sets it the same way, in `overrides`)."""
+    args = [a for a in argv if a not in ("--refresh-cache", "--verbose")]
     recipe = args[0] if args and "=" not in args[0] else None
-    overrides = args[1:] if recipe else args
+    overrides = (args[1:] if recipe else args) + (["tracking.console=verbose"] if "--verbose" in argv else [])
+    return recipe, overrides
+
+
+def main(argv: list[str]) -> int:
+    recipe, overrides = parse_args(argv)
+    if "--refresh-cache" in argv:
+        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     try:
-        load_config(recipe, overrides)  # fail fast, before Prefect starts, on a bad recipe or override
+        cfg = load_config(recipe, overrides)  # fail fast, before Prefect starts, on a bad recipe or override
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    post_train(recipe, overrides)
-    return 0
+    if cfg.tracking.console == "quiet":
+        hide_chatter()
+    # A failed run's error and traceback are on the console already (Prefect logs them): no second traceback.
+    return 1 if post_train(recipe, overrides, return_state=True).is_failed() else 0
 
 
 if __name__ == "__main__":
-    prefect_env.log_to_console()
     sys.exit(main(sys.argv[1:]))

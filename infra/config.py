@@ -190,6 +190,10 @@ class TrackingConfig(Section):
     project: str = Field("rlpipe", min_length=1, description="wandb project.")
     wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="WANDB_MODE.")
     log_freq: int = Field(10, gt=0, description="Console/metrics logging every N steps.")
+    console: Literal["quiet", "verbose"] = Field(
+        "quiet", description="quiet: the console shows stage lines, progress bars, our warnings and every error; "
+        "Prefect, Ray, vLLM and INFO logs go to log files in the run folder. verbose: all of it on the console too."
+    )
 
 
 class RayConfig(Section):

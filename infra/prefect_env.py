@@ -28,13 +28,3 @@ def configure() -> None:
     for name in PACKAGES:  # Prefect forwards these to the run's logs, but leaves their level at WARNING
         logging.getLogger(name).setLevel(logging.INFO)
 
-
-def log_to_console() -> None:
-    """Command-line runs: our INFO logs on stderr in Prefect's format (Prefect's root handler shows WARNING+)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
-                                           "%H:%M:%S"))
-    for name in PACKAGES:
-        logger = logging.getLogger(name)
-        logger.addHandler(handler)
-        logger.propagate = False

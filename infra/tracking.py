@@ -34,7 +34,8 @@ class Backend(Protocol):
 
 
 class ConsoleBackend:
-    """One log line per call, every `log_freq` steps (always for prefixes 'val/' and 'eval/')."""
+    """One log line per call, every `log_freq` steps (always for prefixes 'val/' and 'eval/'); INFO, so with
+    `tracking.console=quiet` the line goes to the run's run.log only (infra/console.py)."""
 
     def __init__(self, log_freq: int):
         self.log_freq = log_freq

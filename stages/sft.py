@@ -203,7 +203,7 @@ class _Loop:
             if step % val_freq == 0 or step == total_steps:
                 metrics["val/loss"] = float(validation_loss(self.model, val, sft.micro_batch_size, self.pad_id))
             self.tracker.log(metrics, step)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)  # redrawn on the bar's own clock
             bar.update()
             if step % save_freq == 0 and step < total_steps:
                 self._save(step)

@@ -19,20 +19,24 @@ import os
 import socket
 
 from infra.config import Config, RayConfig
+from infra.console import WORKER_HOOK, WORKER_LOG_ENV
 from infra.prefect_env import PROJECT_DIR
 from stages.batch import Batch, gather_rows, rank_rows
 
 logger = logging.getLogger(__name__)
 
-_PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE", "CUDA_VISIBLE_DEVICES")
+_PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE", "CUDA_VISIBLE_DEVICES",
+               WORKER_LOG_ENV)
 PLACEMENT_TIMEOUT_S = 120
 
 
 def worker_env(cfg: RayConfig) -> dict[str, str]:
     """Environment of every worker process. Ray would set OMP_NUM_THREADS=1 for a 1-CPU actor (and vLLM's
-    CPU backend then pins torch to 1 thread); a colocated worker owns its share of the node's cores."""
+    CPU backend then pins torch to 1 thread); a colocated worker owns its share of the node's cores, unless the
+    user set OMP_NUM_THREADS for the run (then every process of it uses that many)."""
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.num_devices_per_node))
+    cores = str(max(1, (os.cpu_count() or 1) // cfg.num_devices_per_node))
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or cores
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH", "")) if p)
     env.update({"PYTHONPATH": pythonpath, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
@@ -46,11 +50,18 @@ def init_ray(cfg: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     runtime_env = {"env_vars": worker_env(cfg)}
+    if WORKER_LOG_ENV in runtime_env["env_vars"]:  # a quiet flow run: workers write to the stage's log file
+        runtime_env["worker_process_setup_hook"] = WORKER_HOOK
+    # configure_logging=False below removes Ray's own stderr handler from its logger: its driver logs (a
+    # warning about token authentication, for one) go to our handlers then (run.log; the console per
+    # tracking.console), not to Python's last-resort stderr.
+    logging.getLogger("ray").propagate = True
     if cfg.address:
         from infra.cluster import attach_auth
 
         attach_auth()  # a `ray start` cluster uses token authentication when a token exists
-        ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True)
+        ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True,
+                 configure_logging=False)
         logger.info("attached to Ray cluster at %s", cfg.address)
     else:  # "local": a new cluster even when `ray start` runs on this machine (ray.init() would attach to it)
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=runtime_env,

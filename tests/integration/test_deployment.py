@@ -159,3 +159,6 @@ def test_deploy_all_then_run_the_demo_through_a_process_worker(prefect, tmp_path
     assert steps == [{"step": s, "n": 8 * 2} for s in range(1, RL_STEPS + 1)]
     [run_dir] = (out / "runs").iterdir()  # the run's resolved config: the demo recipe plus our overrides
     assert "name: demo" in (run_dir / "config.yaml").read_text()
+    console = prefect.log("worker")  # the flow run's console, through the worker: quiet, logs in the run folder
+    assert re.search(r"^\S+ rl +ran ", console, re.M) and "pid=" not in console, console[-5000:]
+    assert (run_dir / "run.log").stat().st_size and (run_dir / "workers" / "rl.log").stat().st_size

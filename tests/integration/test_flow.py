@@ -2,9 +2,14 @@
 a first run executes every stage (data prep -> base -> SFT -> RL -> merge -> evaluate base/SFT/RL) and
 publishes the comparison (evals table, Prefect table + markdown artifacts), a second identical run is all
 cache hits, and bad inputs fail cleanly. Evaluation uses the hf engine here (vLLM's is covered by
-test_evaluate.py and, through the flow, by test_resume.py)."""
+test_evaluate.py and, through the flow, by test_resume.py). The quiet console: a line per stage, Ray workers'
+output in the run folder, a failing stage's error in full."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,7 @@ RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollou
       "rl.actor.ppo_mini_batch_size=4", "rl.test_freq=0", "rl.val_before_train=false", "rl.reward.num_workers=1",
       "ray.num_cpus=2", "data.max_response_length=24", "evaluate.engine=hf"]
 STAGES = ["data-prep", "base-model", "sft", "rl", "merge", "evaluate-base", "evaluate-sft", "evaluate-rl"]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def _overrides(tmp_path, *extra):
@@ -36,16 +42,21 @@ def _overrides(tmp_path, *extra):
                              "tracking.backends=[jsonl]", *extra]
 
 
-def test_flow_runs_then_hits_the_cache(post_train, tmp_path):
+def test_flow_runs_then_hits_the_cache(post_train, tmp_path, capfd):
     first = post_train(None, _overrides(tmp_path, *RL))
     assert first["stages"] == {k: "Completed" for k in STAGES}
     acc = first["results"]["sft"]["acc"]
     assert 0.0 <= acc <= 1.0
     assert {r["engine"] for r in first["results"].values()} == {"hf"}
+    _check_quiet_console("".join(capfd.readouterr()), Path(first["run_dir"]))
 
-    second = post_train(None, _overrides(tmp_path, *RL))
+    # The console switch is a flow parameter like any other (tracking is in no cache key).
+    second = post_train(None, _overrides(tmp_path, *RL, "tracking.console=verbose"))
     assert second["stages"] == {k: "Cached" for k in STAGES}
     assert second["results"] == first["results"]
+    console = capfd.readouterr().out
+    assert all(re.search(rf"^\S+ {name} +cached ", console, re.M) for name in STAGES), console
+    assert "Ray workers' output" not in console and f"logs: {second['run_dir']}/run.log" in console
 
     # An unrelated section's change re-runs only what reads it.
     third = post_train(None, _overrides(tmp_path, *RL, "evaluate.max_samples=8"))
@@ -69,6 +80,25 @@ def test_flow_runs_then_hits_the_cache(post_train, tmp_path):
     assert {"train/loss", "train/lr", "train/grad_norm"} <= set(metrics[0])
     assert "val/loss" in metrics[-1]
     assert store.glob(f"runs/{first['run_id']}/config.yaml")
+
+
+def _check_quiet_console(console: str, run_dir: Path) -> None:
+    """A line as each stage starts and ends, the table; Ray workers' output and INFO logs in the run folder."""
+    for name in STAGES:
+        assert re.search(rf"^\d\d:\d\d:\d\d {name} +started$", console, re.M), console
+        assert re.search(rf"^\d\d:\d\d:\d\d {name} +ran +[\dm.]+s  \S", console, re.M), console
+    assert re.search(r" data-prep +ran .*  256 train / 32 validation rows$", console, re.M), console
+    assert re.search(r" sft +ran .*  final loss train \d\.\d{3}, val \d\.\d{3}$", console, re.M), console
+    rl_line = r" rl +ran .*  2 steps, validation acc [\d.]+% -> [\d.]+%, last mean score \d\.\d{3}$"
+    assert re.search(rl_line, console, re.M), console
+    assert re.search(r" evaluate-rl +ran .*  held-out acc [\d.]+%$", console, re.M) and "run report: " in console
+    assert "pid=" not in console and "Worker" not in console  # Ray prefixes worker lines "(EvalWorker pid=...)"
+    log = (run_dir / "run.log").read_text()
+    assert "Task run 'sft" in log and "Finished in state Completed()" in log
+    assert "started a local Ray cluster" in log and "placement group: 1 bundles" in log
+    assert ":actor_name:ActorRolloutWorker" in (run_dir / "workers" / "rl.log").read_text()
+    for label in ("base", "sft", "rl"):
+        assert ":actor_name:EvalWorker" in (run_dir / "workers" / f"evaluate-{label}.log").read_text()
 
 
 def _check_published(tmp_path, run: dict) -> None:
@@ -111,3 +141,24 @@ def test_unreachable_s3_endpoint_is_one_clear_error(post_train, tmp_path, s3_ser
     overrides = _overrides(tmp_path) + ["storage.root=s3://bucket/prefix", "storage.endpoint_url=http://127.0.0.1:9"]
     with pytest.raises(StoreError, match=r"storage.endpoint_url"):
         post_train(None, overrides)
+
+
+def test_a_failing_stage_shows_its_error_in_full_on_the_console(tmp_path):
+    """The command line, as a user runs it: RL fails at start (more prompts per step than the dataset has)."""
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
+    overrides = _overrides(tmp_path, *RL, "rl.train_batch_size=512")
+    done = subprocess.run([sys.executable, "-m", "flows.post_train", *overrides], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console
+    message = "ValueError: rl.train_batch_size=512 > 256 training prompts"
+    assert console.count("Traceback (most recent call last)") == 1  # the stage's, not repeated by the flow's
+    assert re.search(r'File ".*stages/rl_data.py", line \d+, in __init__\n +raise ValueError', console), console
+    assert message in console and re.search(r"^\S+ rl +failed after .*" + message, console, re.M), console
+    assert re.search(r"^\S+ sft +ran ", console, re.M)
+    infos = [line for line in console.splitlines() if "| INFO" in line]
+    assert len(infos) == 1 and "Retry 1/1 will start" in infos[0], infos  # the failed attempt Prefect retried
+    [run_log] = (tmp_path / "out" / "runs").glob("*/run.log")
+    assert f"logs: {run_log}" in console and message in run_log.read_text()
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +70,7 @@ def head(tmp_path_factory):
 
 
 def run_flow(tmp_path: Path, address: str, *extra: str) -> str:
+    """A flow run attached to `address`; -> its console output and run.log."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
     overrides = [*RUN, f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}",
@@ -76,7 +78,11 @@ def run_flow(tmp_path: Path, address: str, *extra: str) -> str:
     done = subprocess.run([sys.executable, "-m", "flows.post_train", *overrides], cwd=PROJECT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout + done.stderr
+    console = done.stdout + done.stderr
+    assert "pid=" not in console  # Ray workers of the attached cluster write to the run folder, not the console
+    run_dir = Path(re.search(r"^logs: (\S+)/run\.log", console, re.M).group(1))
+    assert ":actor_name:ActorRolloutWorker" in (run_dir / "workers" / "rl.log").read_text()
+    return console + (run_dir / "run.log").read_text()
 
 
 def inspect(address: str) -> dict:

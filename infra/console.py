@@ -1,0 +1,178 @@
+"""What a flow run prints, and where the rest of its output goes (`tracking.console`).
+
+quiet (the default): the console shows the flow's own lines (where the logs are, one line as each stage starts
+and ends, the final table), the SFT and RL progress bars, warnings from our code (in the driver and in Ray
+workers) and every error with its traceback. The rest goes to log files in the run folder
+(outputs/runs/<run_id>/):
+
+    run.log              the driver's Python logging at INFO: Prefect's flow and task lines, our stages' INFO
+                         lines, the `console` tracking backend's metric lines, Ray's and transformers' driver
+                         logs, Python warnings
+    workers/<stage>.log  stdout and stderr of the stage's Ray worker processes: vLLM, transformers, torch
+
+verbose: every log line on the console as well and Ray's workers streamed to it by Ray (`log_to_driver`), as
+before this module existed; run.log is written all the same.
+
+The driver's log records are sorted by a filter on every console handler (Prefect's on the root logger, and
+those that Ray, transformers and torch put on their own loggers). Ray workers are other processes, on a
+cluster that a stage starts or on a persistent one (`ray.address`), so `init_ray` (stages/workers/group.py)
+gives the job a `worker_process_setup_hook`, `redirect_worker_output`, which points each worker's stdout and
+stderr file descriptors at the stage's log file; our loggers there also write warnings to the worker's
+original stderr, which Ray streams to the driver's console.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from io import StringIO
+from pathlib import Path
+
+from infra.prefect_env import PACKAGES
+
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # what our flow and tasks log through get_run_logger()
+WORKER_LOG_ENV = "RLPIPE_WORKER_LOG"  # the running stage's worker log file; set only in quiet mode
+WORKER_HOOK = "infra.console.redirect_worker_output"
+FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | {} - %(message)s"  # Prefect's, for one look in every log
+LINES = logging.getLogger("flows.console")  # the flow's own lines: on the console in both modes, and in run.log
+
+
+class QuietFilter(logging.Filter):
+    """What a quiet console shows of the log records: errors from anyone, warnings from our code, a task run's
+    failed attempt that Prefect retries (logged at INFO). A failed stage's error comes with its traceback from
+    the task run; the flow run's report of the same error (whose traceback repeats it through Prefect's frames)
+    stays in run.log."""
+
+    def __init__(self):
+        super().__init__()
+        self.task_error: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = repr(record.exc_info[1]) if record.exc_info else None
+        if record.name == "prefect.task_runs" and error:
+            self.task_error = error
+        elif record.name == "prefect.flow_runs" and error and error == self.task_error:
+            return False
+        if record.name == "prefect.task_runs" and record.getMessage().startswith("Task run failed"):
+            return True
+        ours = record.name.split(".")[0] in PACKAGES or record.name in RUN_LOGGERS
+        return record.levelno >= logging.ERROR or (record.levelno >= logging.WARNING and ours)
+
+
+def console_handlers() -> list[tuple[logging.Logger, logging.Handler]]:
+    """(logger, handler) for every handler that writes to a terminal stream: not a file, not pytest's caplog."""
+    loggers = [logging.getLogger(), *(x for x in list(logging.Logger.manager.loggerDict.values())
+                                      if isinstance(x, logging.Logger))]
+    return [(logger, handler) for logger in loggers for handler in logger.handlers
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            and not isinstance(handler.stream, StringIO)]
+
+
+def hide_chatter() -> None:
+    """Command line, quiet: Prefect's INFO lines from before and after the flow function (its temporary
+    server, the flow run's start and end) stay off the console too. For the rest of the process."""
+    quiet = QuietFilter()
+    for _, handler in console_handlers():
+        handler.addFilter(quiet)
+
+
+class RunConsole:
+    """The console and log files of one flow run: a context manager; `line` prints one of the flow's lines."""
+
+    def __init__(self, run_dir: str | Path, mode: str):
+        self.run_dir, self.quiet = Path(run_dir), mode == "quiet"
+        self.log, self.workers = self.run_dir / "run.log", self.run_dir / "workers"
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> RunConsole:
+        from prefect.logging.formatters import PrefectFormatter
+
+        file = logging.FileHandler(self.log)
+        file.setLevel(logging.INFO)
+        file.setFormatter(PrefectFormatter(FORMAT.format("%(name)s"), "%H:%M:%S",
+                                           flow_run_fmt=FORMAT.format("Flow run %(flow_run_name)r"),
+                                           task_run_fmt=FORMAT.format("Task run %(task_run_name)r")))
+        self._add(logging.getLogger(), file)
+        if self.quiet:
+            self._silence(file)
+        stdout = logging.StreamHandler(sys.stdout)
+        stdout.setFormatter(logging.Formatter("%(message)s"))
+        # Prefect's API handler too, so the flow run's log in the Prefect UI has these lines (and the table).
+        for handler in [stdout, file, *logging.getLogger("prefect.extra").handlers]:
+            self._add(LINES, handler)
+        LINES.setLevel(logging.INFO)
+        LINES.propagate = False
+        self.line(f"logs: {self.where()}" + ("; tracking.console=verbose or --verbose shows them here"
+                                             if self.quiet else ""))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.line(f"logs: {self.where()}")
+        for undo in reversed(self._undo):
+            undo()
+
+    def where(self) -> str:
+        return f"{self.log}" + (f", Ray workers' output in {self.workers}/" if self.quiet else "")
+
+    def line(self, text: str) -> None:
+        LINES.info(text)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """While stage `name` runs, in quiet mode its Ray workers write their output to workers/<name>.log."""
+        if not self.quiet:
+            yield
+            return
+        self.workers.mkdir(exist_ok=True)
+        os.environ[WORKER_LOG_ENV] = str(self.workers / f"{name}.log")
+        try:
+            yield
+        finally:
+            del os.environ[WORKER_LOG_ENV]
+
+    def _add(self, logger: logging.Logger, handler: logging.Handler) -> None:
+        logger.addHandler(handler)
+        self._undo.append(lambda: logger.removeHandler(handler))
+
+    def _silence(self, file: logging.Handler) -> None:
+        from transformers.utils import logging as hf_logging  # its handler is found below, its bars turned off
+
+        quiet = QuietFilter()
+        for logger, handler in console_handlers():
+            handler.addFilter(quiet)
+            self._undo.append(lambda handler=handler: handler.removeFilter(quiet))
+            if not logger.propagate:  # its records never reach the root's handlers
+                self._add(logger, file)
+        logging.captureWarnings(True)  # library warnings (torch, transformers) go to run.log as records
+        self._undo.append(lambda: logging.captureWarnings(False))
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            self._undo.append(hf_logging.enable_progress_bar)
+
+
+def redirect_worker_output() -> None:
+    """Ray's `worker_process_setup_hook` in quiet mode: this worker's stdout and stderr go to the stage's log
+    file (`WORKER_LOG_ENV`, appended to by every worker of the stage); warnings of our loggers also go to the
+    worker's original stderr, which Ray streams to the driver's console."""
+    path = os.environ.get(WORKER_LOG_ENV)
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # a worker on another node writes it there
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    to_file, to_console = logging.StreamHandler(sys.stderr), logging.StreamHandler(console)
+    to_console.setLevel(logging.WARNING)
+    for handler in (to_file, to_console):
+        handler.setFormatter(logging.Formatter(FORMAT.format("%(name)s"), "%H:%M:%S"))
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(to_file)
+        logger.addHandler(to_console)

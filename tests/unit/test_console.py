@@ -1,0 +1,137 @@
+"""The quiet console (infra/console.py): which log records reach it, where the rest goes, and the Ray worker
+hook's redirection of a process's output (run in a subprocess, as Ray runs it in a worker)."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.console import WORKER_LOG_ENV, QuietFilter, RunConsole
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def record(name: str, level: int, exc: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(exc), exc, None) if exc else None
+    return logging.LogRecord(name, level, __file__, 1, "message", None, exc_info)
+
+
+@pytest.mark.parametrize("name, level, shown", [
+    ("stages.rl", logging.WARNING, True),  # our warnings
+    ("infra.tracking", logging.INFO, False),  # our INFO lines (metrics): run.log only
+    ("prefect.task_runs", logging.WARNING, True),  # a task's get_run_logger().warning
+    ("prefect.task_runs", logging.INFO, False),  # "Finished in state Completed()"
+    ("ray", logging.WARNING, False),  # library warnings: run.log only
+    ("py.warnings", logging.WARNING, False),
+    ("vllm", logging.ERROR, True),  # anyone's errors
+])
+def test_quiet_filter_shows_errors_and_our_warnings(name, level, shown):
+    assert QuietFilter().filter(record(name, level)) is shown
+
+
+def test_a_retried_attempt_is_shown():
+    retry = logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, "Task run failed with exception: %r - "
+                              "Retry 1/1 will start immediately", (ValueError("bad batch"),), None)
+    assert QuietFilter().filter(retry)
+
+
+def test_flow_run_repeating_a_task_runs_error_is_shown_once():
+    quiet = QuietFilter()
+    assert quiet.filter(record("prefect.task_runs", logging.ERROR, ValueError("bad batch")))
+    assert not quiet.filter(record("prefect.flow_runs", logging.ERROR, ValueError("bad batch")))
+    assert quiet.filter(record("prefect.flow_runs", logging.ERROR, KeyError("another")))  # not a stage's error
+
+
+@pytest.fixture
+def terminal(capsys, caplog):
+    """The root logger's console handler (Prefect's, in a flow run) on this test's captured stderr; our loggers
+    at INFO (as infra.prefect_env sets them)."""
+    caplog.set_level(logging.INFO, logger="stages")
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(handler)
+    yield
+    logging.getLogger().removeHandler(handler)
+
+
+@pytest.fixture
+def chatty_library(terminal):
+    """A library logger that prints on its own (its own stderr handler, no propagation), like Ray's or transformers'."""
+    logger = logging.getLogger("chatty_library")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    logger.propagate, logger.level = False, logging.INFO
+    yield logger
+    logger.removeHandler(handler)
+
+
+def test_quiet_run_console_sorts_records_and_undoes_everything(tmp_path, capsys, chatty_library):
+    with RunConsole(tmp_path, "quiet") as console:
+        console.line("sft           started")
+        chatty_library.info("engine configuration dump")
+        chatty_library.warning("library warning")
+        logging.getLogger("stages.sft").info("step 10 loss=1.0")
+        logging.getLogger("stages.sft").warning("no learning signal")
+        with console.stage("rl"):
+            assert os.environ[WORKER_LOG_ENV] == str(tmp_path / "workers" / "rl.log")
+        assert WORKER_LOG_ENV not in os.environ
+    out, err = capsys.readouterr()
+    assert "sft           started" in out and f"logs: {tmp_path / 'run.log'}" in out
+    assert "no learning signal" in err
+    assert "engine configuration dump" not in out + err and "library warning" not in out + err
+    assert "step 10 loss=1.0" not in out + err
+    log = (tmp_path / "run.log").read_text()
+    for text in ("sft           started", "engine configuration dump", "library warning", "step 10 loss=1.0",
+                 "no learning signal"):
+        assert text in log
+
+    chatty_library.warning("after the run")  # the library's own handler is as it was
+    assert "after the run" in capsys.readouterr().err
+    assert "after the run" not in (tmp_path / "run.log").read_text()
+
+
+def test_verbose_run_console_shows_everything_and_writes_run_log(tmp_path, capsys, chatty_library):
+    with RunConsole(tmp_path, "verbose") as console:
+        chatty_library.info("engine configuration dump")
+        with console.stage("rl"):
+            assert WORKER_LOG_ENV not in os.environ  # Ray workers stream to the console as Ray does
+    out, err = capsys.readouterr()
+    assert "engine configuration dump" in err and "Ray workers" not in out
+    assert "run.log" in out and (tmp_path / "run.log").exists()
+
+
+WORKER = """
+import logging, os, sys
+from infra.console import redirect_worker_output
+redirect_worker_output()
+print("vLLM engine config dump")
+os.write(2, b"C-level write to fd 2\\n")
+logging.getLogger("stages.workers.actor_update").info("worker info")
+logging.getLogger("stages.workers.actor_update").warning("actor: 1 optimizer step(s) skipped")
+"""
+
+
+def test_worker_hook_sends_output_to_the_stage_log_and_our_warnings_to_the_console(tmp_path):
+    log = tmp_path / "rl.log"
+    log.write_text("earlier worker\n")  # every worker of a stage appends
+    done = subprocess.run([sys.executable, "-c", WORKER], cwd=PROJECT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(PROJECT), WORKER_LOG_ENV: str(log)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1  # what Ray would stream to the driver: the warning
+    assert "WARNING | stages.workers.actor_update - actor: 1 optimizer step(s) skipped" in done.stderr
+    text = log.read_text()
+    assert text.startswith("earlier worker\n")
+    for line in ("vLLM engine config dump", "C-level write to fd 2", "worker info", "optimizer step(s) skipped"):
+        assert line in text
+
+
+def test_verbose_flag_is_an_override_so_deployments_set_it_the_same_way():
+    from flows.post_train import parse_args
+    from infra.config import load_config
+
+    assert parse_args(["recipes/demo.yaml", "sft.epochs=1", "--verbose"]) == (
+        "recipes/demo.yaml", ["sft.epochs=1", "tracking.console=verbose"])
+    assert parse_args(["sft.epochs=1", "--refresh-cache"]) == (None, ["sft.epochs=1"])
+    assert load_config(None, []).tracking.console == "quiet"
