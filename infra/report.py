@@ -21,9 +21,11 @@ import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 
+from infra.learning_signal import warnings_from_metrics
 from infra.report_render import RunData, render
 from infra.sql import connect
 from infra.store import ArtifactStore, StoreError
@@ -106,16 +108,22 @@ def read_run(store_or_root: ArtifactStore | str, run_id: str, evals_run_id: str 
     finally:
         con.close()
     return RunData(run_id, dict(metrics), [(int(r["step"]), float(r["s"])) for r in val], best, worst, evals,
-                   sum(r["n"] for r in counts), [int(r["step"]) for r in counts], evals_run_id or run_id)
+                   sum(r["n"] for r in counts), [int(r["step"]) for r in counts], evals_run_id or run_id,
+                   warnings_from_metrics(metrics))
+
+
+class Report(NamedTuple):
+    html: str
+    warnings: list[str]  # what the page shows in its warning box (infra.learning_signal)
 
 
 def build_report(store_or_root: ArtifactStore | str, rl_run_id: str, title: str | None = None,
-                 extra: dict | None = None, *, evals_run_id: str | None = None, num_rollouts: int = 3) -> str:
-    """HTML text of the report of rl_run_id (evaluation rows of evals_run_id, default the same run)."""
+                 extra: dict | None = None, *, evals_run_id: str | None = None, num_rollouts: int = 3) -> Report:
+    """The report of rl_run_id (evaluation rows of evals_run_id, default the same run): HTML and its warnings."""
     if num_rollouts < 0:
         raise ValueError(f"num_rollouts={num_rollouts}: expected >= 0 (best and worst rollouts shown)")
     data = read_run(store_or_root, rl_run_id, evals_run_id, num_rollouts)
-    return render(data, title or f"RL run report: {rl_run_id}", extra)
+    return Report(render(data, title or f"RL run report: {rl_run_id}", extra), data.warnings)
 
 
 def report_path(run_id: str) -> str:
@@ -124,11 +132,11 @@ def report_path(run_id: str) -> str:
 
 
 def write_report(store: ArtifactStore, rl_run_id: str, title: str | None = None, extra: dict | None = None,
-                 **kwargs) -> str:
-    """Build the report and save it atomically as runs/<rl_run_id>/report.html; -> its path or URL."""
-    text = build_report(store, rl_run_id, title, extra, **kwargs)
-    store.write_bytes(report_path(rl_run_id), text.encode())
-    return store.url(report_path(rl_run_id))
+                 **kwargs) -> tuple[str, list[str]]:
+    """Build the report and save it atomically as runs/<rl_run_id>/report.html; -> (its path or URL, warnings)."""
+    report = build_report(store, rl_run_id, title, extra, **kwargs)
+    store.write_bytes(report_path(rl_run_id), report.html.encode())
+    return store.url(report_path(rl_run_id)), report.warnings
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -151,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     store = ArtifactStore(args.root, args.endpoint_url)
     try:
         if args.out is None:
-            print(write_report(store, args.run, args.title, evals_run_id=args.evals_run))
+            url, warnings = write_report(store, args.run, args.title, evals_run_id=args.evals_run)
         else:
-            text = build_report(store, args.run, args.title, evals_run_id=args.evals_run)
+            report = build_report(store, args.run, args.title, evals_run_id=args.evals_run)
             out = args.out.expanduser().resolve()
-            ArtifactStore(str(out.parent)).write_bytes(out.name, text.encode())  # atomic: temp file + rename
-            print(out)
+            ArtifactStore(str(out.parent)).write_bytes(out.name, report.html.encode())  # atomic: temp file + rename
+            url, warnings = str(out), report.warnings
+        for text in warnings:
+            print(f"warning: {text}", file=sys.stderr)
+        print(url)
     except UnknownRunError as exc:
         print(f"error: {exc}. Fix: pass one of them as --run", file=sys.stderr)
         return 2

@@ -76,6 +76,7 @@ class RunData:
     num_rollouts: int
     rollout_steps: list[int] = field(default_factory=list)
     evals_run_id: str = ""  # the run whose evals rows these are (the flow run, when evaluation wrote them)
+    warnings: list[str] = field(default_factory=list)  # shown in a box at the top (infra.learning_signal)
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -260,6 +261,7 @@ table{border-collapse:collapse;font-size:13px;margin:6px 0}th,td{border:1px soli
 .columns{display:grid;grid-template-columns:1fr 1fr;gap:18px}
 .card{border:1px solid #e3e3e3;border-radius:6px;padding:8px 10px;margin-bottom:10px;font-size:13px}
 .label{color:#777;font-size:12px;margin-top:4px}
+.warning{background:#fff4e5;border:2px solid #e67e22;border-radius:6px;padding:8px 14px;margin:14px 0;font-size:14px}
 pre{white-space:pre-wrap;word-break:break-word;background:#f7f7f7;padding:6px 8px;margin:2px 0;
  font-size:12.5px;max-height:220px;overflow:auto}
 """
@@ -290,6 +292,13 @@ def _score_range(data: RunData) -> str:
     return f"<p class='sub'>Scores of the {data.num_rollouts} rollouts range from {low:.4g} to {high:.4g}{same}.</p>"
 
 
+def warning_box(warnings: list[str]) -> str:
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
+    return f'<div class="warning" role="alert"><b>Warning</b><ul>{items}</ul></div>'
+
+
 def render(data: RunData, title: str, extra: dict | None) -> str:
     """The HTML page of data (all text escaped)."""
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -306,6 +315,7 @@ def render(data: RunData, title: str, extra: dict | None) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
 <body><h1>{html.escape(title)}</h1>
 <div class="sub">run {html.escape(data.run_id)} · generated {now} · code {html.escape(code_version())}</div>
+{warning_box(data.warnings)}
 <h2>Summary</h2><div class="columns"><div>{info}</div><div><h3>Where the time goes</h3>
 {timing_table(data.metrics) or "<p class='note'>No timing_s/* metrics.</p>"}</div></div>
 <h2>Training curves</h2><div class="grid">{"".join(panel_html(p, data) for p in PANELS)}</div>

@@ -145,7 +145,14 @@ class RLConfig(_Section):
     save_freq: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
     max_ckpt_to_keep: int = Field(2, gt=0)
     resume_mode: Literal["auto", "disable"] = Field("auto", description="auto: continue from the latest checkpoint.")
-    val_before_train: bool = Field(True, description="Validate before the first step.")
+    val_before_train: bool = Field(
+        True, description="Validate before the first step; with rollout.val_n = 1 also rollout.n samples per prompt at "
+        "the training temperature (val/acc/mean@n and best@n = pass@n: what RL starts from).")
+    no_signal_frac: float = Field(
+        0.9, gt=0, le=1, description="A step has almost no learning signal when at least this share of its groups "
+        "got the same reward for every sample.")
+    no_signal_steps: int = Field(
+        3, ge=0, description="Warn (console, log, report, Prefect) after this many such steps in a row (0: never).")
     max_validation_samples: int | None = Field(None, gt=0, description="Cap on validation prompts.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)

@@ -35,6 +35,7 @@ import torch
 
 from infra.artifacts import ArtifactRef
 from infra.config import Config
+from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
 from infra.trajectories import RunTables
 from infra.tracking import Tracker, progress_bar
 from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
@@ -43,7 +44,14 @@ from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.rewards.overlong import overlong_penalty
 from stages.rewards.pool import RewardPool, RewardRequest
-from stages.rl_data import PromptSampler, concat_batches, data_metrics, rollout_batch, trajectory_rows
+from stages.rl_data import (
+    PromptSampler,
+    concat_batches,
+    data_metrics,
+    rollout_batch,
+    signal_metrics,
+    trajectory_rows,
+)
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
 from stages.validation import group_metrics
@@ -128,6 +136,7 @@ class RLTrainer:
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.reward_metrics: dict[str, float] = {}
+        self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
         self.step = 0
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -142,6 +151,7 @@ class RLTrainer:
         while self.step < self.rl.total_steps:
             self.step += 1
             metrics = self.train_step(self.step)
+            self.check_signal(metrics)
             if self._due(self.rl.test_freq):
                 metrics.update(self.validate(self.step))
             self.log(metrics, self.step)
@@ -151,6 +161,13 @@ class RLTrainer:
             bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}")
         bar.close()
         return metrics
+
+    def check_signal(self, metrics: dict[str, float]) -> None:
+        """Warn (console, log, and the metric the report and Prefect artifact show) when groups stop differing."""
+        warning = self.no_signal.update(self.step, metrics)
+        if warning:
+            logger.warning("rl: %s", warning)
+            metrics[WARNING_METRIC] = float(len(self.no_signal.streak))
 
     def _due(self, freq: int) -> bool:
         return self.step == self.rl.total_steps or (freq > 0 and self.step % freq == 0)
@@ -191,7 +208,7 @@ class RLTrainer:
     def generate_and_score(self, step: int, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
         """A scored batch of train_batch_size groups (more generations when filtering groups)."""
         alg = self.rl.algorithm
-        kept, num_groups, gen = [], 0, 0
+        kept, num_groups, gen, generated = [], 0, 0, []
         self.reward_metrics = {}  # summed over this step's generation batches
         while num_groups < self.rl.train_batch_size:
             if alg.filter_groups and alg.max_num_gen_batches and gen >= alg.max_num_gen_batches:
@@ -200,6 +217,7 @@ class RLTrainer:
                     f"after {gen} generation batches; raise rl.algorithm.max_num_gen_batches or check the reward")
             batch = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen, timer)
             gen += 1
+            generated.append(batch)
             if alg.filter_groups:
                 batch = self._varied_groups(batch)
             kept.append(batch)
@@ -208,7 +226,7 @@ class RLTrainer:
         groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
         batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
         means = {k: v / gen for k, v in self.reward_metrics.items() if not k.endswith(COUNTS)}
-        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means}
+        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means, **signal_metrics(generated)}
 
     def generate(self, indices: list[int], group_prefix: str, seed: int, timer: StepTimer) -> Batch:
         ro = self.rl.rollout
@@ -342,25 +360,47 @@ class RLTrainer:
         return metrics
 
     def validate(self, step: int) -> dict[str, float]:
+        """Validation samples (rollout.val_*) into the `validation` table and val/acc/* metrics. Before training
+        (step 0) with val_n = 1, also rollout.n samples per prompt at the training temperature: mean@n and
+        best@n (pass@n) say how often the starting model can earn a reward, i.e. how much RL can learn from."""
         ro = self.rl.rollout
-        num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
-        params = SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p,
-                                max_tokens=self.cfg.data.max_response_length,
-                                stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
         start = time.perf_counter()
+        samples = self._val_samples(SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p))
+        self.tables.write_validation(step, samples)
+        metrics = group_metrics(samples, ro.val_n, "val")
+        if step == 0 and ro.val_n == 1 and ro.n > 1:
+            sampled = self._val_samples(SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p,
+                                                       top_k=ro.top_k))
+            metrics.update(group_metrics(sampled, ro.n, "val"))
+            self._report_start(len(samples), metrics)
+        metrics["timing_s/testing"] = time.perf_counter() - start
+        return metrics
+
+    def _report_start(self, num_prompts: int, metrics: dict[str, float]) -> None:
+        """Say what RL starts from; warn before step 1 when almost every group will be all wrong."""
+        n, temperature = self.rl.rollout.n, self.rl.rollout.temperature
+        pass_n = metrics[f"val/acc/best@{n}"]
+        text = (f"starting model on {num_prompts} held-out prompts: greedy acc {metrics['val/acc/mean@1']:.3f}, "
+                f"mean@{n} {metrics[f'val/acc/mean@{n}']:.3f}, pass@{n} {pass_n:.3f} (temperature {temperature:g})")
+        if self.rl.no_signal_steps and 1 - pass_n >= self.rl.no_signal_frac:
+            logger.warning("rl: %s: in about %.0f%% of groups no sample will earn the reward, so RL has little to "
+                           "learn from; see the advice if the no-signal warning follows", text, 100 * (1 - pass_n))
+        else:
+            logger.info("rl: %s", text)
+
+    def _val_samples(self, params: SamplingParams) -> list[dict]:
+        num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
+        params = replace(params, max_tokens=self.cfg.data.max_response_length,
+                         stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
         outputs = self.rollout(self.val.prompt_ids[:num], params)
         texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
         i_of = [o.prompt_index for o in outputs]
         result = self.rewards.score([RewardRequest(self.val.data_sources[i], text, self.val.ground_truths[i],
                                                    self.val.extra_infos[i]) for i, text in zip(i_of, texts)])
-        samples = [{"prompt_index": i, "data_source": self.val.data_sources[i], "score": s, "response": text,
-                    "ground_truth": str(self.val.ground_truths[i]), "num_response_tokens": len(o.response_ids),
-                    "finish_reason": o.finish_reason}
-                   for i, text, s, o in zip(i_of, texts, result.scores, outputs)]
-        self.tables.write_validation(step, samples)
-        metrics = group_metrics(samples, ro.val_n, "val")
-        metrics["timing_s/testing"] = time.perf_counter() - start
-        return metrics
+        return [{"prompt_index": i, "data_source": self.val.data_sources[i], "score": s, "response": text,
+                 "ground_truth": str(self.val.ground_truths[i]), "num_response_tokens": len(o.response_ids),
+                 "finish_reason": o.finish_reason}
+                for i, text, s, o in zip(i_of, texts, result.scores, outputs)]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tables.write_metrics(step, metrics)
@@ -380,7 +420,7 @@ class RLTrainer:
             if self.critic:
                 self.critic.call("save_checkpoint", tmp)
             state = {"step": step, "kl_ctrl": self.kl_ctrl.state_dict(), "python_rng": random.getstate(),
-                     "torch_rng": torch.get_rng_state()}
+                     "torch_rng": torch.get_rng_state(), "no_signal": self.no_signal.state_dict()}
             torch.save(state, Path(tmp) / "trainer.pt")
             (Path(tmp) / "meta.json").write_text(json.dumps({"step": step}))
             self.checkpoints.save(step, Path(tmp))
@@ -396,6 +436,7 @@ class RLTrainer:
         state = torch.load(path / "trainer.pt", weights_only=False)
         self.step = int(state["step"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.no_signal.load_state_dict(state.get("no_signal", {}))
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         removed = self.tables.truncate_after(self.step)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from infra.learning_signal import group_signal_metrics
 from stages.batch import Batch, build_batch
 from stages.core import masked_mean
 from stages.data_prep import PromptSet
@@ -136,6 +137,14 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     if "entropy" in t:
         metrics["actor/entropy"] = float(masked_mean(t["entropy"], mask))
     return metrics
+
+
+def signal_metrics(batches: list[Batch]) -> dict[str, float]:
+    """How many groups carry a learning signal (infra.learning_signal), over every group a step generated:
+    before dynamic sampling (DAPO's filter_groups) keeps only the varied ones."""
+    return group_signal_metrics([g for b in batches for g in b.meta["group_id"]],
+                                torch.cat([b.tensors["rewards"] for b in batches]).tolist(),
+                                torch.cat([b.tensors["scores"] for b in batches]).tolist())
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:

@@ -251,13 +251,15 @@ def report_task(cfg: Config, rl_checkpoint: str, ctx: RunContext) -> str:
 
     store = open_store(cfg)
     rl_run_id = ArtifactRef.parse(rl_checkpoint).name  # checkpoint/rl-<key>: the RL run's run_id
-    url = write_report(store, rl_run_id, title=f"{cfg.run.name}: RL run {rl_run_id}", evals_run_id=ctx.run_id,
-                       extra={"flow run": ctx.run_id, "store": cfg.storage.root, "RL checkpoint": rl_checkpoint})
+    url, warnings = write_report(store, rl_run_id, title=f"{cfg.run.name}: RL run {rl_run_id}",
+                                 evals_run_id=ctx.run_id, extra={"flow run": ctx.run_id, "store": cfg.storage.root,
+                                                                 "RL checkpoint": rl_checkpoint})
     link = url if "://" in url else Path(url).as_uri()
+    alerts = "".join(f"> **Warning:** {text}\n\n" for text in warnings)
     create_markdown_artifact(
         key="run-report", description=f"HTML run report of {rl_run_id}",
-        markdown=f"# Run report\n\n[{rl_run_id}/report.html]({link}): reward, validation accuracy, KL, entropy, "
-                 "response length, gradient norm and timing per step; base/SFT/RL evaluation; best and worst "
+        markdown=f"# Run report\n\n{alerts}[{rl_run_id}/report.html]({link}): reward, validation accuracy, KL, "
+                 "entropy, response length, gradient norm and timing per step; base/SFT/RL evaluation; best and worst "
                  f"rollouts.\n\nFlow run `{ctx.run_id}`, store `{cfg.storage.root}`.\n")
     get_run_logger().info("run report: %s", url)
     return url

@@ -162,3 +162,29 @@ def test_a_failing_stage_shows_its_error_in_full_on_the_console(tmp_path):
     [run_log] = (tmp_path / "out" / "runs").glob("*/run.log")
     assert f"logs: {run_log}" in console and message in run_log.read_text()
 
+
+def test_constant_rewards_warn_in_console_log_report_and_prefect(tmp_path):
+    """A reward that is 0 for every sample gives GRPO nothing to learn from: the run says so on the console, in
+    run.log, in the HTML report and in Prefect's run-report artifact (the command line, as a user runs it)."""
+    reward = tmp_path / "zero.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    overrides = _overrides(tmp_path, *RL, "rl.total_steps=3", "rl.no_signal_steps=2", "sft.enabled=false",
+                           f"rl.reward.custom_path={reward}", "evaluate.max_samples=4")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
+    done = subprocess.run([sys.executable, "-m", "flows.post_train", *overrides], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    console = done.stdout + done.stderr
+    said = "RL has almost no learning signal: at steps 1-2, 100% of the groups"
+    assert done.returncode == 0 and console.count(said) == 1, console
+    [run_dir] = (tmp_path / "out" / "runs").iterdir()
+    assert said in (run_dir / "run.log").read_text()
+    [page] = (tmp_path / "store" / "runs").glob("rl-*/report.html")
+    assert '<div class="warning" role="alert">' in page.read_text() and said in page.read_text()
+    artifact = subprocess.run([sys.executable, "-c", "from prefect.artifacts import Artifact; "
+                               "print(Artifact.get('run-report').data)"], env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert f"> **Warning:** {said}" in artifact.stdout, artifact.stdout + artifact.stderr
+    frac = query(str(tmp_path / "store"), "SELECT step, value FROM metrics WHERE name = 'train/frac_groups_all_wrong' "
+                                          "ORDER BY step")
+    assert frac == [{"step": s, "value": 1.0} for s in (1, 2, 3)]

@@ -95,7 +95,7 @@ def local(tmp_path) -> ArtifactStore:
 
 def test_every_plot_is_an_embedded_png(local):
     write_run(local)
-    page = report.build_report(local, RUN, title="demo <run>", extra={"model": "model/rl@0123"})
+    page = report.build_report(local, RUN, title="demo <run>", extra={"model": "model/rl@0123"}).html
     pngs = images(page)
     for panel in report_render.PANELS:
         alts = [alt for alt in pngs if alt.startswith(panel.title + ":")]
@@ -145,7 +145,7 @@ def test_equal_scores_worst_does_not_repeat_best(local):
 
 def test_run_without_validation_or_kl_gets_notes(local):
     write_run(local, validation=False, with_kl=False)
-    page = report.build_report(local, RUN)
+    page = report.build_report(local, RUN).html
     titles = {alt.split(":")[0] for alt in images(page)}
     assert titles == {p.title for p in report_render.PANELS} - {"Validation accuracy", "KL"}
     notes = re.findall(r'<div class="panel note"><h3>([^<]+)</h3>', page)
@@ -210,7 +210,7 @@ def test_evals_of_another_run_id(local):
 @pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
 def test_write_report_saves_into_the_store(store):
     write_run(store)
-    url = report.write_report(store, RUN, extra={"steps": 4})
+    url, warnings = report.write_report(store, RUN, extra={"steps": 4})
     assert url == store.url(f"runs/{RUN}/report.html")
     saved = store.read_bytes(f"runs/{RUN}/report.html").decode()
     assert saved.startswith("<!DOCTYPE html>") and len(images(saved)) == len(report_render.PANELS)
@@ -244,3 +244,18 @@ def test_cli_exit_codes(local, tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert "run_id='missing'" in done.stderr and f"known run ids: {RUN}" in done.stderr
     assert cli("--root", local.root).returncode == 2  # argparse: --run is required
+
+
+def test_no_signal_warning_is_a_visible_box(local):
+    write_run(local)
+    tables = RunTables(local, RUN)
+    for step in (5, 6):  # two steps where every group had equal rewards; the loop warned at step 6
+        tables.write_metrics(step, {"train/frac_groups_zero_std": 1.0, "train/frac_groups_all_wrong": 1.0,
+                                    "train/frac_groups_all_correct": 0.0,
+                                    **({"train/no_signal_warning": 2.0} if step == 6 else {})})
+    page = report.build_report(local, RUN)
+    assert len(page.warnings) == 1 and "steps 5-6" in page.warnings[0]
+    assert '<div class="warning" role="alert">' in page.html and "steps 5-6" in page.html
+    write_run(local, "rl-quiet")
+    quiet = report.build_report(local, "rl-quiet")
+    assert quiet.warnings == [] and 'role="alert"' not in quiet.html
