@@ -2,9 +2,11 @@
 
     PYTHONPATH=. .venv/bin/python bench/rl_learning.py [KEY=VALUE ...]          # SFT + RL
     FROM=/path/printed/before PYTHONPATH=. .venv/bin/python bench/rl_learning.py ...   # reuse data + SFT model
+    RECIPE=other.yaml ...                                                           # default recipes/demo.yaml
 
 Prints one JSON line: SFT and RL held-out accuracy (greedy), the mean rollout score per step, timings.
-Runs the stages directly (no Prefect); RL uses a local Ray cluster with vLLM rollouts.
+Runs the stages directly (no Prefect) on the recipe plus the overrides; RL uses a local Ray cluster with
+vLLM rollouts.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def prepare(cfg, folder: Path) -> None:
 
 
 def main(overrides: list[str]) -> None:
-    cfg = load_config(None, overrides + ["rl.enabled=true", "ray.num_cpus=2", "rl.val_before_train=false",
-                                         "sft.save_freq=100000"])
+    cfg = load_config(os.environ.get("RECIPE", "recipes/demo.yaml"),
+                      overrides + ["rl.enabled=true", "ray.num_cpus=2", "rl.val_before_train=false",
+                                   "sft.save_freq=100000"])
     start = time.time()
     folder = Path(os.environ["FROM"]) if os.environ.get("FROM") else Path(tempfile.mkdtemp())
     if not os.environ.get("FROM"):
