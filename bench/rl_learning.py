@@ -34,6 +34,8 @@ from stages.sft import run_sft
 
 
 class NoCheckpoints:  # SFT only: RL's output is its final checkpoint, kept in the store
+    tmp_dir = None
+
     def latest(self):
         return None
 

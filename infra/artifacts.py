@@ -4,6 +4,8 @@ An artifact version is ``kind/name@version`` (``ArtifactRef``). ``version`` is t
 sha256 over the sorted relative paths and the bytes of each file (``hash_dir``), so the same content always
 gets the same version. Its ``Manifest`` (``_manifest.json``, the commit marker) records the files with sizes
 and sha256, the inputs it was made from (lineage), the config hash, the code version and free metadata.
+A manifest read back is checked field by field (``Manifest.from_json``), and ``file_problems`` compares the
+files found with it (missing, unlisted, size, sha256): the store's integrity checks.
 
 Reading and writing versions is ``infra.store.ArtifactStore``'s work; ``lineage`` (for the store CLI) only
 walks a store through its public readers.
@@ -16,10 +18,11 @@ import hashlib
 import json
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     from infra.store import ArtifactStore
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
 MANIFEST = "_manifest.json"
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _VERSION = re.compile(r"^[0-9a-f]{16}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 20
 
 
@@ -94,10 +98,34 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse and check a manifest; ValueError naming `where` and what is wrong (not JSON, a field missing,
+        unknown or of the wrong type)."""
         try:
-            return cls(**json.loads(data))
+            manifest = cls(**json.loads(data))
+            manifest._check()
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where} is not a valid manifest ({exc}); delete that version or run gc") from exc
+            raise ValueError(f"{where} is not a valid manifest ({exc})") from exc
+        return manifest
+
+    def _check(self) -> None:
+        """Every field as Manifest.new writes it: readers index files, sizes and hashes without further checks,
+        and a file path never leaves the version folder (a download writes to it)."""
+        ArtifactRef(self.kind, self.name, self.version)  # raises unless kind, name and version are well-formed
+        if not all(isinstance(v, str) for v in (self.config_hash, self.code_version, self.created)):
+            raise TypeError("config_hash, code_version and created must be strings")
+        if not isinstance(self.inputs, dict) or not all(isinstance(v, str) for v in self.inputs.values()):
+            raise TypeError(f"inputs={self.inputs!r} must map roles to strings")
+        if not isinstance(self.metadata, dict):
+            raise TypeError(f"metadata={self.metadata!r} must be an object")
+        if not isinstance(self.files, dict) or not self.files:
+            raise TypeError("files must be a non-empty object")
+        for rel, info in self.files.items():
+            parts = rel.split("/")
+            if rel == MANIFEST or rel.startswith("/") or ".." in parts or "" in parts:
+                raise ValueError(f"file path {rel!r} is not a relative path inside the version")
+            if (not isinstance(info, dict) or info.keys() != {"size", "sha256"} or type(info["size"]) is not int
+                    or info["size"] < 0 or not _SHA256.match(str(info["sha256"]))):
+                raise ValueError(f"files[{rel!r}]={info!r}: expected {{'size': int >= 0, 'sha256': 64 hex chars}}")
 
 
 @functools.cache
@@ -134,19 +162,42 @@ def hash_dir(local_dir: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
 
 def file_sha256(path: Path, *also) -> str:
     """sha256 of a file's bytes, which are also fed to the digests in `also`."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            for d in (digest, *also):
-                d.update(chunk)
+        return stream_sha256(f, *also)
+
+
+def stream_sha256(f: BinaryIO, *also) -> str:
+    """sha256 of what is left in an open binary file, read in 1 MiB chunks (also fed to the digests in `also`)."""
+    digest = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        for d in (digest, *also):
+            d.update(chunk)
     return digest.hexdigest()
+
+
+def file_problems(manifest: Manifest, sizes: dict[str, int], sha256_of: Callable[[str], str]) -> list[str]:
+    """How the files found (relpath -> size, the manifest itself left out) differ from the manifest: files
+    missing, files it does not list, then per file the size or else the sha256 (`sha256_of(relpath)` is only
+    called for files of the right size). Empty: the files are exactly the version's."""
+    expected = manifest.files
+    problems = [f"{rel}: missing (the manifest lists it)" for rel in sorted(expected.keys() - sizes.keys())]
+    problems += [f"{rel}: not in the manifest (a stray file)" for rel in sorted(sizes.keys() - expected.keys())]
+    for rel in sorted(expected.keys() & sizes.keys()):
+        if sizes[rel] != expected[rel]["size"]:
+            problems.append(f"{rel}: {sizes[rel]} bytes, expected {expected[rel]['size']}")
+        elif (found := sha256_of(rel)) != expected[rel]["sha256"]:
+            problems.append(f"{rel}: sha256 {found}, expected {expected[rel]['sha256']}")
+    return problems
 
 
 def is_complete_copy(dest: Path, manifest: Manifest) -> bool:
     """dest holds this version's files (manifest written last, sizes match)."""
     marker = dest / MANIFEST
-    if not marker.is_file() or Manifest.from_json(marker.read_bytes(), str(marker)).files != manifest.files:
-        return False
+    try:
+        if not marker.is_file() or Manifest.from_json(marker.read_bytes(), str(marker)).files != manifest.files:
+            return False
+    except ValueError:
+        return False  # a damaged copy: not complete
     return all((dest / rel).is_file() and (dest / rel).stat().st_size == info["size"]
                for rel, info in manifest.files.items())
 

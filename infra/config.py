@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.redact import redact, url_credential_fields
 from infra.rl_config import RLConfig
 
 
@@ -177,6 +178,18 @@ class StorageConfig(Section):
     endpoint_url: str | None = Field(
         None, description="S3 endpoint (e.g. a local S3 server); None: AWS_ENDPOINT_URL or AWS's default."
     )
+    timeout_s: float = Field(
+        5.0, gt=0, le=600, description="S3: seconds one attempt of a request may take (connect, send, answer; "
+        "plus its upload at min_upload_mib_s) and may wait for the next byte of a download; then it is retried."
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=10, description="S3: attempts per request (1 + retries with backoff of at most 1, 2, 4... s); "
+        "a storage that never answers fails after about max_attempts * timeout_s."
+    )
+    min_upload_mib_s: float = Field(
+        2.0, gt=0, description="S3: slowest upload per connection (MiB/s) before an attempt counts as stalled; "
+        "uploads run up to 10 parts of 8 MiB at once, so lower it on a link slower than 10x this."
+    )
 
     @model_validator(mode="after")
     def _known_protocol(self) -> StorageConfig:
@@ -226,6 +239,16 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
+    def _no_credentials(self) -> Config:
+        """A config is saved with every run (config.yaml, the store, Prefect's parameters): no secrets in it."""
+        fields = url_credential_fields(self.model_dump(mode="json"))
+        if fields:
+            raise ValueError(f"{', '.join(fields)} holds a URL with a password; remove the user:password@ part and "
+                             "give credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                             "for S3), which is never saved")
+        return self
+
+    @model_validator(mode="after")
     def _workers_share_mini_batches(self) -> Config:
         """Every worker trains on an equal share of every mini-batch (so the loss is the same at any N)."""
         ray, actor = self.ray, self.rl.actor
@@ -255,8 +278,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. sft.optim.lr=1e-4")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote a string "
+                          f"that starts with [ {{ or holds ': ', e.g. {key}='\"{raw}\"'") from None
     return key.split("."), value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """YAML's own reason and place, without its multi-line excerpt of the text."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(exc, 'problem', None) or type(exc).__name__}{where}"
 
 
 def apply_override(tree: dict, path: list[str], value: Any) -> None:
@@ -295,9 +329,12 @@ def _format_error(err: dict) -> str:
     value = err.get("input")
     if err["type"] == "extra_forbidden":
         allowed = _allowed_fields(loc[:-1])
-        return f"unknown key {key!r} (value {value!r}); allowed here: {', '.join(allowed)}"
-    shown = value if not isinstance(value, dict) else "{...}"
-    return f"{key} = {shown!r}: {err['msg']}"
+        return f"unknown key {key!r} (value {redact(repr(value))}); allowed here: {', '.join(allowed)}"
+    message = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections: its message names the keys
+        return message
+    shown = redact(repr(value)) if not isinstance(value, dict) else "{...}"
+    return f"{key} = {shown}: {message}"
 
 
 def validate(tree: dict) -> Config:
@@ -315,12 +352,23 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} not found; recipes live in recipes/ (e.g. recipes/demo.yaml)")
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _read_recipe(path)
         if not isinstance(tree, dict):
             raise ConfigError(f"recipe {str(path)!r}: the top level must be a mapping of sections")
     for text in overrides:
         apply_override(tree, *parse_override(text))
     return validate(tree)
+
+
+def _read_recipe(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start:exc.start + 1]
+        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text (byte {exc.start} is {bad!r}); save it as UTF-8"
+                          ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def to_yaml(config: BaseModel) -> str:

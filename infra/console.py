@@ -32,6 +32,7 @@ from io import StringIO
 from pathlib import Path
 
 from infra.prefect_env import PACKAGES
+from infra.redact import RedactFilter
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # what our flow and tasks log through get_run_logger()
 WORKER_LOG_ENV = "RLPIPE_WORKER_LOG"  # the running stage's worker log file; set only in quiet mode
@@ -96,10 +97,12 @@ class RunConsole:
                                            flow_run_fmt=FORMAT.format("Flow run %(flow_run_name)r"),
                                            task_run_fmt=FORMAT.format("Task run %(task_run_name)r")))
         self._add(logging.getLogger(), file)
+        self._redact_everywhere()
         if self.quiet:
             self._silence(file)
         stdout = logging.StreamHandler(sys.stdout)
         stdout.setFormatter(logging.Formatter("%(message)s"))
+        stdout.addFilter(RedactFilter())
         # Prefect's API handler too, so the flow run's log in the Prefect UI has these lines (and the table).
         for handler in [stdout, file, *logging.getLogger("prefect.extra").handlers]:
             self._add(LINES, handler)
@@ -132,6 +135,15 @@ class RunConsole:
             yield
         finally:
             del os.environ[WORKER_LOG_ENV]
+
+    def _redact_everywhere(self) -> None:
+        """Every handler (console, run.log, Prefect's API handler that fills its database) masks secrets."""
+        redact = RedactFilter()
+        loggers = [logging.getLogger(), *(x for x in list(logging.Logger.manager.loggerDict.values())
+                                          if isinstance(x, logging.Logger))]
+        for handler in {h for logger in loggers for h in logger.handlers}:
+            handler.addFilter(redact)
+            self._undo.append(lambda handler=handler: handler.removeFilter(redact))
 
     def _add(self, logger: logging.Logger, handler: logging.Handler) -> None:
         logger.addHandler(handler)

@@ -11,32 +11,61 @@ Layout under ``root`` (a local folder, ``file://``, ``memory://`` or ``s3://buck
 ``version`` is a content hash (infra/artifacts.py: refs, manifests, hashing, lineage), so putting the same
 content twice returns the existing ref and writes nothing. Empty folders are not kept.
 
-Atomicity: readers (``exists``, ``manifest``, ``versions``, ``latest``, ``artifacts``, ``get_dir``) only see
-versions whose manifest exists.
+Guarantees (the README's "What the store guarantees" says the same to users):
+
+Atomicity: readers (``exists``, ``manifest``, ``versions``, ``latest``, ``get_dir``) only see versions whose
+manifest exists and is valid.
 - local: files and manifest are copied into ``.staging/{uuid}/`` and the folder is renamed to its final
   place with one ``os.rename`` (same file system, atomic). A crash leaves only a staging folder.
 - remote (s3): files are uploaded to the final prefix, the manifest last (one PUT is atomic). A failed upload
-  raises ``StoreError``, is cleaned up best-effort and stays invisible; a retry of the same content overwrites
-  and commits it. ``gc()`` removes staging folders and manifest-less version folders; run it only when no
-  write is in progress (it cannot tell a crashed write from a running one).
+  raises ``StoreError``, is cleaned up best-effort (not after a timeout) and stays invisible; a retry of the
+  same content overwrites and commits it. ``gc()`` removes staging folders and manifest-less version folders;
+  run it only when no write is in progress (it cannot tell a crashed write from a running one).
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT.
 
+Integrity: every read of a version's files checks them against its manifest: the same file names (a listed file
+missing or a file the manifest does not list is corruption), sizes and sha256, hashed while streaming (1 MiB at a
+time). A difference raises ``CorruptArtifactError`` naming the version, each bad file with expected vs found, and
+the commands that check and remove it. When:
+- local ``get_dir(ref)`` (the version folder itself, read in place): every call hashes every file. A cheaper rule
+  (trusting an earlier check while names, sizes and mtimes are unchanged) would miss exactly what the check is
+  for: bytes that change underneath the file system (a bad disk, a restored backup) or a same-size write that
+  keeps the mtime. The cost is one sequential read of the version, small next to loading it.
+- s3, or ``get_dir(ref, dest)``: each file is checked as it is downloaded, once per download; a complete copy
+  already in ``dest`` (same manifest, same sizes) is re-used without re-reading it, and a damaged copy in the
+  cache is downloaded again.
+- manifests: parsed and checked field by field on every read. A version whose manifest is not JSON, misses a
+  field or names another version is treated as not committed: listings skip it with a warning naming it, and a
+  read by its ref raises ``CorruptArtifactError``.
+- ``verify(ref)`` (CLI ``verify``) reads every byte of a version. ``put_dir`` of content that is already stored
+  verifies the stored copy and replaces it if it is corrupt (writing the same content again repairs a version).
+What is not guaranteed: authenticity. The checks catch accidental corruption; anyone who can write to the store
+can also write a manifest that matches their files. Against that, checkpoints are loaded without unpickling
+arbitrary objects (stages/model/safe_load.py): a forged checkpoint can hold wrong numbers, but cannot run code.
+
+Repair: ``verify`` reports each corrupt version, ``delete`` removes one (a damaged manifest too), ``gc`` removes
+leftovers of crashed writes only (never a version with a manifest, corrupt or not). A resume skips corrupt
+checkpoints by itself (infra/checkpoints.py).
+
 S3 credentials come only from the environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``); the
-endpoint is ``endpoint_url`` or ``AWS_ENDPOINT_URL``. Timeouts and retries are small so that an unreachable
-endpoint fails in seconds with a ``StoreError`` naming ``storage.root`` and ``storage.endpoint_url``.
+endpoint is ``endpoint_url`` or ``AWS_ENDPOINT_URL``. Every S3 request has a timeout and a bounded number of
+attempts (``storage.timeout_s``, ``storage.max_attempts``, ``storage.min_upload_mib_s``; infra/s3.py says where
+the time goes): a refused connection fails in seconds, an endpoint that accepts connections but never answers
+within ``infra.s3.stall_bound_s`` (18 s with the defaults, 42 s for a 16 MiB upload), each time with a
+``StoreError`` naming the operation, ``storage.root``, ``storage.endpoint_url``, the time waited and the fix.
 
 CLI: ``python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions KIND/NAME |
-show KIND/NAME@VERSION | gc``.
+show KIND/NAME@VERSION | verify [KIND/NAME[@VERSION]] | delete KIND/NAME@VERSION | gc``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,39 +73,52 @@ from pathlib import Path
 
 import aiohttp
 import fsspec
-from botocore.exceptions import BotoCoreError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ConnectTimeoutError, NoCredentialsError, ReadTimeoutError
 from fsspec.exceptions import FSTimeoutError
 
-from infra.artifacts import MANIFEST, ArtifactRef, Manifest, describe, file_sha256, hash_dir, is_complete_copy, lineage
+from infra.artifacts import (
+    MANIFEST,
+    ArtifactRef,
+    Manifest,
+    file_problems,
+    file_sha256,
+    hash_dir,
+    is_complete_copy,
+    stream_sha256,
+)
+from infra.config import StorageConfig
+from infra.s3 import s3_filesystem, stall_bound_s
 
 logger = logging.getLogger(__name__)
 
 ARTIFACTS = "artifacts"
 STAGING = ".staging"
-CONNECT_TIMEOUT_S = 2
-READ_TIMEOUT_S = 10
-MAX_ATTEMPTS = 2  # botocore attempts per request (and s3fs retries): unreachable fails in seconds
-_BOTOCORE = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
-             "retries": {"max_attempts": MAX_ATTEMPTS, "mode": "standard"}}
 _CONNECTION_ERRORS = (BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, FSTimeoutError)
+_TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError, asyncio.TimeoutError, FSTimeoutError)
 
 
 class StoreError(RuntimeError):
     """Storage unreachable or a write failed; the message names the root, the endpoint and the fix."""
 
 
+class CorruptArtifactError(StoreError):
+    """A stored version differs from its manifest, or its manifest is unreadable; the message names the version,
+    each bad file with expected vs found, and the commands that check and remove it."""
+
+
 class ArtifactStore:
     """Versioned artifacts and mutable tables under one root; see the module docstring."""
 
-    def __init__(self, root: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None):
+    def __init__(self, root: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None,
+                 limits: StorageConfig | None = None):
+        """limits: the S3 timeout_s, max_attempts and min_upload_mib_s of a StorageConfig (None: its defaults)."""
         self.root = root
+        self.limits = limits or StorageConfig()
         self.is_remote = "://" in root and not root.startswith("file://")
         self.endpoint_url = endpoint_url or (os.environ.get("AWS_ENDPOINT_URL") if root.startswith("s3://") else None)
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "rlpipe" / "artifacts").expanduser()
         if root.startswith("s3://"):
-            self.fs = fsspec.filesystem("s3", endpoint_url=self.endpoint_url, skip_instance_cache=True,
-                                        use_listings_cache=False, config_kwargs=_BOTOCORE)
-            self.fs.retries = MAX_ATTEMPTS  # s3fs's own retry loop on top of botocore's
+            self.fs = s3_filesystem(self.endpoint_url, self.limits)
             self._base = root[len("s3://"):].strip("/")
         elif self.is_remote:
             self.fs = fsspec.filesystem(root.split("://")[0])
@@ -88,7 +130,7 @@ class ArtifactStore:
     @classmethod
     def from_config(cls, cfg) -> ArtifactStore:
         """Build from ``infra.config.StorageConfig``."""
-        return cls(cfg.root, cfg.endpoint_url)
+        return cls(cfg.root, cfg.endpoint_url, limits=cfg)
 
     def __repr__(self) -> str:
         return f"ArtifactStore(root={self.root!r}, endpoint_url={self.endpoint_url!r})"
@@ -104,14 +146,26 @@ class ArtifactStore:
 
     @contextmanager
     def _errors(self, action: str) -> Iterator[None]:
-        """Turn connection failures into one StoreError naming the root, the endpoint and the fix."""
+        """Turn connection failures and timeouts into one StoreError (see _network_error)."""
+        start = time.monotonic()
         try:
             yield
         except _CONNECTION_ERRORS as exc:
-            no_credentials = isinstance(exc, NoCredentialsError)
-            fix = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment" if no_credentials
-                   else "start the storage server or correct storage.endpoint_url/storage.root")
-            raise StoreError(f"{action} at {self._where()} failed: {exc}. Fix: {fix}") from exc
+            raise self._network_error(action, exc, time.monotonic() - start) from exc
+
+    def _network_error(self, action: str, exc: BaseException, waited_s: float, note: str = "") -> StoreError:
+        """A StoreError naming the operation, the root, the endpoint, the time waited and the fix."""
+        limits = self.limits
+        if isinstance(exc, NoCredentialsError):
+            fix = "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment"
+        elif isinstance(exc, _TIMEOUTS):
+            fix = (f"the endpoint did not answer in {limits.max_attempts} attempts of storage.timeout_s="
+                   f"{limits.timeout_s:g} s ({stall_bound_s(limits):.0f} s at most without upload): check that the "
+                   "S3 server is up and not overloaded and that nothing on the way holds connections open; on a slow link raise "
+                   f"storage.timeout_s or lower storage.min_upload_mib_s={limits.min_upload_mib_s:g}")
+        else:
+            fix = "start the storage server or correct storage.endpoint_url/storage.root"
+        return StoreError(f"{action} at {self._where()} failed after {waited_s:.1f} s: {exc}{note}. Fix: {fix}")
 
     def _ls_dirs(self, path: str) -> list[str]:
         try:
@@ -120,8 +174,19 @@ class ArtifactStore:
             return []
         return sorted(e["name"].rstrip("/") for e in entries if e["type"] == "directory")
 
-    def _committed_dirs(self, kind: str = "*") -> list[str]:
-        return [p.rsplit("/", 1)[0] for p in self.fs.glob(self._path(ARTIFACTS, kind, "*", "*", MANIFEST))]
+    def _committed_dirs(self, kind: str = "*", name: str = "*") -> list[str]:
+        """Version folders holding a manifest file (valid or not)."""
+        return [p.rsplit("/", 1)[0] for p in self.fs.glob(self._path(ARTIFACTS, kind, name, "*", MANIFEST))]
+
+    def _cli(self, *args: str) -> str:
+        endpoint = f" --endpoint-url {self.endpoint_url}" if self.endpoint_url else ""
+        return f"`python -m infra.store --root {self.root}{endpoint} {' '.join(args)}`"
+
+    def _corrupt(self, ref: ArtifactRef, problems: list[str]) -> CorruptArtifactError:
+        return CorruptArtifactError(
+            f"{ref} at {self._where()} is corrupt: {'; '.join(problems)}. Check it with "
+            f"{self._cli('verify', str(ref))}, remove it with {self._cli('delete', str(ref))}, then re-create it "
+            "(re-run the stage that made it)")
 
     def check(self) -> None:
         """Fail fast with StoreError if the root cannot be reached or written."""
@@ -137,17 +202,23 @@ class ArtifactStore:
             with self._errors("reaching the bucket"):
                 try:
                     self.fs.call_s3("head_bucket", Bucket=bucket)
+                except _CONNECTION_ERRORS:
+                    raise  # botocore's timeouts are OSErrors too: not a bucket problem, _errors reports them
                 except OSError as exc:
                     raise StoreError(f"bucket {bucket!r} of {self._where()} is not usable ({exc!r}): create it "
                                      "or fix storage.root / the AWS_* credentials") from exc
 
     def exists(self, ref: ArtifactRef) -> bool:
-        """True if this version is committed (its manifest exists)."""
-        with self._errors(f"checking {ref}"):
-            return self.fs.exists(f"{self._vdir(ref)}/{MANIFEST}")
+        """True if this version is committed: its manifest exists and is valid."""
+        try:
+            self.manifest(ref)
+        except (FileNotFoundError, CorruptArtifactError):
+            return False
+        return True
 
     def manifest(self, ref: ArtifactRef) -> Manifest:
-        """The manifest of a committed version; FileNotFoundError naming the ref if there is none."""
+        """The manifest of a committed version; FileNotFoundError naming the ref if there is none,
+        CorruptArtifactError if it is not a valid manifest of this version."""
         path = f"{self._vdir(ref)}/{MANIFEST}"
         with self._errors(f"reading {ref}"):
             try:
@@ -155,14 +226,51 @@ class ArtifactStore:
             except FileNotFoundError:
                 raise FileNotFoundError(f"{ref} is not in the store at {self._where()}; list versions with "
                                         f"`python -m infra.store versions {ref.kind}/{ref.name}`") from None
-        return Manifest.from_json(data, path)
+        return self._parse_manifest(data, ref)
+
+    def _parse_manifest(self, data: bytes, ref: ArtifactRef) -> Manifest:
+        try:
+            manifest = Manifest.from_json(data, MANIFEST)
+        except ValueError as exc:
+            raise self._corrupt(ref, [str(exc)]) from exc
+        if manifest.ref != ref:  # copied into another version's folder
+            raise self._corrupt(ref, [f"{MANIFEST} describes {manifest.ref}"])
+        return manifest
+
+    def verify(self, ref: ArtifactRef) -> Manifest:
+        """Check the stored files of ref against its manifest (names, sizes, sha256 of every byte); -> the manifest.
+        CorruptArtifactError listing each difference."""
+        manifest, vdir = self.manifest(ref), self._vdir(ref)
+        with self._errors(f"verifying {ref}"):
+            problems = file_problems(manifest, self._file_sizes(vdir), lambda rel: self._sha256(f"{vdir}/{rel}"))
+        if problems:
+            raise self._corrupt(ref, problems)
+        return manifest
+
+    def _file_sizes(self, vdir: str) -> dict[str, int]:
+        """relpath -> size of every file under the version folder vdir, its manifest left out."""
+        sizes = {path[len(vdir) + 1:]: info["size"] for path, info in self.fs.find(vdir, detail=True).items()}
+        sizes.pop(MANIFEST, None)
+        return sizes
+
+    def _sha256(self, path: str) -> str:
+        with self.fs.open(path, "rb") as f:
+            return stream_sha256(f)
 
     def put_dir(self, kind: str, name: str, local_dir: str | Path, *, inputs: dict | None = None,
                 config_hash: str = "", metadata: dict | None = None) -> ArtifactRef:
-        """Store every file under local_dir as kind/name@<content hash>; idempotent for the same content."""
+        """Store every file under local_dir as kind/name@<content hash>; idempotent for the same content (an
+        intact stored copy is kept, a corrupt one replaced)."""
         version, files, sources = hash_dir(Path(local_dir))
         ref = ArtifactRef(kind, name, version)
-        if self.exists(ref):
+        try:
+            self.verify(ref)  # the same content again is also how a corrupt version gets repaired
+        except FileNotFoundError:
+            pass
+        except CorruptArtifactError as exc:
+            logger.warning("replacing %s: %s", ref, exc)
+            self.delete(ref)
+        else:
             logger.info("%s already stored; nothing written", ref)
             return ref
         manifest = Manifest.new(ref, files, inputs, config_hash, metadata)
@@ -201,32 +309,40 @@ class ArtifactStore:
                 raise  # committed the same content first, which is success
 
     def _commit_remote(self, ref: ArtifactRef, sources: dict[str, Path], manifest: Manifest) -> None:
-        vdir = self._vdir(ref)
+        vdir, start = self._vdir(ref), time.monotonic()
         try:
             for rel, src in sources.items():
                 self._write_file(src, f"{vdir}/{rel}")
             self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
         except (*_CONNECTION_ERRORS, OSError) as exc:
-            self._discard(vdir)
-            raise StoreError(f"upload of {ref} to {self.root} (storage.endpoint_url={self.endpoint_url!r}) failed: "
-                             f"{exc!r}; no version was committed; re-run when storage is reachable") from exc
+            waited_s = time.monotonic() - start
+            if not isinstance(exc, _TIMEOUTS):  # a storage that does not answer would hold the cleanup as long again
+                self._discard(vdir)
+            raise self._network_error(f"upload of {ref}", exc, waited_s, "; no version was committed (files already "
+                                      "sent stay invisible: a re-run overwrites them, gc() removes them)") from exc
 
     def get_dir(self, ref: ArtifactRef, dest: str | Path | None = None) -> Path:
-        """A local folder with the files of ref (plus _manifest.json).
+        """A local folder with the files of ref (plus _manifest.json), checked against the manifest
+        (CorruptArtifactError if they differ; see the module docstring).
 
-        Local store and no dest: the version folder itself (read-only use). Otherwise the files are copied or
-        downloaded into dest (default: ``cache_dir/kind/name/version``), checked against the manifest's sha256,
-        and an existing complete copy is re-used.
+        Local store and no dest: the version folder itself (read-only use), verified in full at every call.
+        Otherwise the files are copied or downloaded into dest (default: ``cache_dir/kind/name/version``), each
+        checked as it arrives; a complete copy already there is re-used, a damaged one in the cache replaced.
         """
-        manifest = self.manifest(ref)
         if not self.is_remote and dest is None:
+            self.verify(ref)
             return Path(self._vdir(ref))
+        manifest = self.manifest(ref)
+        cached = dest is None
         dest = Path(dest) if dest is not None else self.cache_dir / ref.kind / ref.name / ref.version
         if is_complete_copy(dest, manifest):
             return dest
         if dest.exists() and any(dest.iterdir()):
-            raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref}; "
-                             "pass an empty or new folder")
+            if not cached:
+                raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref}; "
+                                 "pass an empty or new folder")
+            logger.warning("the cached copy %s of %s is incomplete or damaged; downloading it again", dest, ref)
+            shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
         try:
@@ -241,15 +357,19 @@ class ArtifactStore:
         return dest
 
     def _download(self, manifest: Manifest, target: Path) -> None:
+        """Copy the version's files into target, checking names, sizes and sha256 against the manifest."""
         vdir = self._vdir(manifest.ref)
+
+        def fetch(rel: str) -> str:  # one file of the right size: download it, -> the sha256 of the copy
+            local = target / rel
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(f"{vdir}/{rel}", str(local))
+            return file_sha256(local)
+
         with self._errors(f"downloading {manifest.ref}"):
-            for rel, info in manifest.files.items():
-                local = target / rel
-                local.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(f"{vdir}/{rel}", str(local))
-                if file_sha256(local) != info["sha256"]:
-                    raise StoreError(f"{manifest.ref}: {rel} does not match its manifest sha256 at {self._where()}; "
-                                     "the stored copy is corrupt: delete that version and re-create it")
+            problems = file_problems(manifest, self._file_sizes(vdir), fetch)
+        if problems:
+            raise self._corrupt(manifest.ref, problems)
         (target / MANIFEST).write_bytes(manifest.to_json())
 
     def versions(self, kind: str, name: str) -> list[Manifest]:
@@ -263,7 +383,10 @@ class ArtifactStore:
                 continue  # not committed (yet): invisible by design
             if isinstance(data, BaseException):
                 raise data
-            manifests.append(Manifest.from_json(data, path))
+            try:
+                manifests.append(self._parse_manifest(data, ArtifactRef(kind, name, path.rsplit("/", 2)[-2])))
+            except (ValueError, CorruptArtifactError) as exc:  # ValueError: a folder name that is no version
+                logger.warning("skipping %s (treated as not committed): %s", path.rsplit("/", 1)[0], exc)
         return sorted(manifests, key=lambda m: (m.created, m.version))
 
     def latest(self, kind: str, name: str) -> ArtifactRef | None:
@@ -272,13 +395,27 @@ class ArtifactStore:
         return found[-1].ref if found else None
 
     def artifacts(self, kind: str | None = None) -> list[tuple[str, str]]:
-        """Sorted (kind, name) pairs with at least one committed version."""
+        """Sorted (kind, name) pairs with at least one manifest (listed even if each is corrupt: versions() is
+        empty then); the manifests are not read."""
         with self._errors("listing artifacts"):
             dirs = self._committed_dirs(kind or "*")
         return sorted({tuple(d.rsplit("/", 3)[1:3]) for d in dirs})
 
+    def manifest_refs(self, kind: str = "*", name: str = "*") -> list[ArtifactRef]:
+        """Sorted versions whose folder holds a manifest, valid or corrupt: what ``verify`` checks."""
+        with self._errors("listing manifests"):
+            dirs = self._committed_dirs(kind, name)
+        refs = []
+        for path in dirs:
+            try:
+                refs.append(ArtifactRef(*path.rsplit("/", 3)[1:]))
+            except ValueError as exc:
+                logger.warning("skipping %s: not a version folder (%s); remove it by hand", path, exc)
+        return sorted(refs, key=str)
+
     def delete(self, ref: ArtifactRef) -> None:
-        """Remove a version: manifest first (it disappears for readers at once), then its files."""
+        """Remove a version, committed, corrupt or half-written: manifest first (it disappears for readers at
+        once), then its files."""
         vdir = self._vdir(ref)
         with self._errors(f"deleting {ref}"):
             if not self.fs.exists(vdir):
@@ -290,7 +427,9 @@ class ArtifactStore:
     def gc(self) -> int:
         """Remove leftovers of crashed writes (staging folders, version folders without manifest); -> count.
 
-        Only run it when no write is in progress: an upload in flight looks exactly like a crashed one.
+        Only run it when no write is in progress: an upload in flight looks exactly like a crashed one. A version
+        with a manifest, valid or corrupt, is never a leftover (the manifest is written last, atomically):
+        ``verify`` finds corrupt ones, ``delete`` removes them.
         """
         with self._errors("garbage collection"):
             leftovers = self._ls_dirs(self._path(STAGING))
@@ -327,6 +466,45 @@ class ArtifactStore:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def create_exclusive(self, relpath: str, data: bytes) -> bool:
+        """Write a new file atomically unless one exists; -> False if it existed (nothing written). For locks:
+        local = a complete temp file hard-linked into place (link fails on an existing name); S3 = a conditional
+        PUT (If-None-Match: *, which S3 and moto honour); other fsspec roots check first (not atomic)."""
+        path = self._table_path(relpath)
+        if self.root.startswith("s3://"):
+            bucket, _, key = path.partition("/")
+            with self._errors(f"creating {relpath}"):
+                try:
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                except FileExistsError:  # s3fs's name for 412 PreconditionFailed
+                    return False
+            return True
+        if self.is_remote:
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def delete_table_file(self, relpath: str) -> None:
+        """Remove one table file (missing is fine)."""
+        path = self._table_path(relpath)
+        with self._errors(f"removing {relpath}"):
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
     def read_bytes(self, relpath: str) -> bytes:
         """The content of one table file; FileNotFoundError if missing."""
         with self._errors(f"reading {relpath}"):
@@ -350,48 +528,7 @@ class ArtifactStore:
         return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
 
 
-# -------------------------------------------------------------------------------------------------- CLI
+if __name__ == "__main__":  # the CLI lives in infra/store_cli.py; `python -m infra.store` stays its command
+    from infra.store_cli import main
 
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions K/N | show K/N@V | gc"""
-    from infra.config import StorageConfig
-
-    default = StorageConfig()
-    parser = argparse.ArgumentParser(prog="python -m infra.store", description="Inspect the artifact store.")
-    parser.add_argument("--root", default=default.root, help="local folder or s3://bucket/prefix")
-    parser.add_argument("--endpoint-url", default=default.endpoint_url, help="S3 endpoint (or AWS_ENDPOINT_URL)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="kind/name pairs").add_argument("kind", nargs="?")
-    sub.add_parser("versions", help="committed versions of KIND/NAME").add_argument("artifact")
-    sub.add_parser("show", help="manifest and lineage of KIND/NAME@VERSION").add_argument("ref")
-    sub.add_parser("gc", help="remove leftovers of crashed writes")
-    args = parser.parse_args(argv)
-    try:
-        _run(ArtifactStore(args.root, args.endpoint_url), args)
-    except (StoreError, FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
-def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
-    store.check()
-    if args.command == "list":
-        for kind, name in store.artifacts(args.kind):
-            found = store.versions(kind, name)
-            print(f"{kind}/{name}  versions={len(found)}  latest={found[-1].ref}")
-    elif args.command == "versions":
-        kind, _, name = args.artifact.partition("/")
-        if not kind or not name:
-            raise ValueError(f"versions {args.artifact!r}: expected KIND/NAME, e.g. dataset/synthetic")
-        for m in store.versions(kind, name):
-            print(describe(m))
-    elif args.command == "show":
-        ref = ArtifactRef.parse(args.ref)
-        print(store.manifest(ref).to_json().decode())
-        print("lineage:\n" + "\n".join(lineage(store, str(ref), 1, set())))
-    else:
-        print(f"removed {store.gc()} leftovers")
-
-
-if __name__ == "__main__":
     main()

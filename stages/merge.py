@@ -129,11 +129,12 @@ def _local_model(store: ArtifactStore, model: str) -> str:
 def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     """The trained model's full state dict from an RL or SFT checkpoint folder."""
     from stages.model.fsdp import read_checkpoint_model_state
+    from stages.model.safe_load import load_state
     from stages.sft import CHECKPOINT_FILE
 
     sft_file = folder / CHECKPOINT_FILE
     if sft_file.is_file():
-        return torch.load(sft_file, map_location="cpu", mmap=True, weights_only=True)["model"]
+        return load_state(sft_file, mmap=True)["model"]
     return read_checkpoint_model_state(folder, "actor")
 
 

@@ -42,6 +42,7 @@ from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
+from stages.model.safe_load import load_state
 from stages.rewards.overlong import overlong_penalty
 from stages.rewards.pool import RewardPool, RewardRequest
 from stages.rl_data import (
@@ -415,7 +416,7 @@ class RLTrainer:
     # ---- checkpoints ---------------------------------------------------------------------------------
 
     def save_checkpoint(self, step: int) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=self.checkpoints.tmp_dir) as tmp:
             self.actor.call("save_checkpoint", tmp)
             if self.critic:
                 self.critic.call("save_checkpoint", tmp)
@@ -433,7 +434,7 @@ class RLTrainer:
         self.actor.call("load_checkpoint", str(path))
         if self.critic:
             self.critic.call("load_checkpoint", str(path))
-        state = torch.load(path / "trainer.pt", weights_only=False)
+        state = load_state(path / "trainer.pt")  # tensors and plain values only: a checkpoint cannot run code
         self.step = int(state["step"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.no_signal.load_state_dict(state.get("no_signal", {}))

@@ -30,6 +30,7 @@ from stages.model.loading import (
     save_hf_folder,
 )
 from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.safe_load import load_state
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ CHECKPOINT_FILE = "train_state.pt"
 
 class Checkpoints(Protocol):
     """Where a stage keeps its checkpoints (the artifact store in the pipeline, a folder in tests)."""
+
+    tmp_dir: Path | None  # where the stage writes a checkpoint before `save` (None: the system's temp folder)
 
     def latest(self) -> Path | None: ...
 
@@ -211,7 +214,7 @@ class _Loop:
         return metrics
 
     def _save(self, step: int) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=self.checkpoints.tmp_dir) as tmp:
             torch.save(
                 {
                     "step": step,
@@ -229,7 +232,7 @@ def _resume(checkpoints: Checkpoints, model, optimizer, scheduler) -> int:
     latest = checkpoints.latest()
     if latest is None:
         return 0
-    state = torch.load(latest / CHECKPOINT_FILE, weights_only=False, map_location="cpu")
+    state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

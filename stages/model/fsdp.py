@@ -12,7 +12,9 @@ ranks), so the sum is the gradient of the global loss, the same at any N.
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders: each rank writes its shards of the weights
 and the optimizer state, rank 0 the metadata; they load back on the same N. `read_checkpoint_model_state`
-reads the full weights from such a folder in one process without a process group (the merge stage).
+reads the full weights from such a folder in one process without a process group (the merge stage). Both
+loads go through stages/model/safe_load.py, so a checkpoint's pickles (DCP's metadata, its non-tensor values)
+cannot run code.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.model.policy import hf_parts
+from stages.model.safe_load import (
+    SafeEmptyStateDictLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    refusals_raised,
+)
 
 PG_TIMEOUT = timedelta(minutes=30)  # a rank waits this long in a collective for a slower (generating) rank
 
@@ -143,7 +151,8 @@ def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opt
                                 "of the RL stage: start a new run (rl.resume_mode=disable)")
     state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer),
              "scheduler": scheduler.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder))
+    with refusals_raised():
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(folder=folder))
     set_model_state_dict(module, state["model"])
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -156,7 +165,6 @@ def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> di
     Keys are the trained module's (TokenLogprobs: `lm.` + HF or peft names; see `hf_weights`). Only the
     weights are read from the role's DCP folder (written by any number of ranks), not the optimizer state.
     """
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     folder = Path(ckpt_dir) / role
@@ -165,8 +173,9 @@ def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> di
         raise FileNotFoundError(f"{folder}/.metadata not found (folder holds {found}): not an RL checkpoint with "
                                 f"a {role!r} model; pass a checkpoint saved by the RL stage")
     state: dict = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    with refusals_raised():
+        _load_state_dict(state, storage_reader=SafeFileSystemReader(str(folder)),
+                         planner=SafeEmptyStateDictLoadPlanner(keys={"model"}, folder=folder), no_dist=True)
     return state["model"]
 
 

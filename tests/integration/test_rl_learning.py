@@ -29,6 +29,8 @@ RL = ["rl.enabled=true", "rl.total_steps=12", "rl.train_batch_size=16", "rl.roll
 
 
 class NoCheckpoints:  # for SFT: RL keeps its final checkpoint in a store (it is the stage's output)
+    tmp_dir = None
+
     def latest(self):
         return None
 

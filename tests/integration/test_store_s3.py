@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import StorageConfig
-from infra.store import ArtifactStore, StoreError
+from infra.store import ArtifactStore, CorruptArtifactError, StoreError
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.s3
@@ -114,7 +114,7 @@ def test_endpoint_from_environment_and_config(s3_server, monkeypatch):
 def test_corrupt_object_is_caught_on_download(s3_store, tmp_path):
     ref = s3_store.put_dir("model", "m", make_dir(tmp_path / "src"))
     s3_store.fs.pipe_file(f"{s3_store.url('artifacts')}/model/m/{ref.version}/a.bin", b"tampered")
-    with pytest.raises(StoreError, match="a.bin does not match its manifest sha256"):
+    with pytest.raises(CorruptArtifactError, match="a.bin: 8 bytes, expected 1000"):
         s3_store.get_dir(ref)
     assert list((tmp_path / "cache" / "model" / "m").iterdir()) == []  # no partial copy left behind
 

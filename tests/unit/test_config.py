@@ -1,5 +1,8 @@
 """Configuration: recipes, dotted overrides and the errors users see."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,27 @@ def test_config_hash_depends_only_on_given_sections():
 def test_s3_root_with_unknown_protocol_is_rejected():
     with pytest.raises(ConfigError, match="gs://bucket"):
         load_config(None, ["storage.root=gs://bucket"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"run:\n  seed: [0\n", r"recipe '.*bad.yaml' is not valid YAML: expected ',' or '\]'.* at line 3, column 1"),
+    (b"run:\n  name: caf\xe9\n", r"recipe '.*bad.yaml' is not UTF-8 text \(byte 16 is b'\\xe9'\); save it as UTF-8"),
+])
+def test_a_broken_recipe_is_named(tmp_path, content, message):
+    (tmp_path / "bad.yaml").write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_a_malformed_override_value_says_how_to_quote_it():
+    with pytest.raises(ConfigError, match=r"override 'run.seed=\[0': the value is not valid YAML .*quote a string"):
+        parse_override("run.seed=[0")
+
+
+def test_the_command_line_prints_the_error_and_exits_2(tmp_path):
+    (tmp_path / "bad.yaml").write_bytes(b"run:\n  seed: [0\n")
+    project = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "flows.post_train", str(tmp_path / "bad.yaml")], cwd=project,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(project)})
+    assert done.returncode == 2 and done.stderr.startswith("error: recipe ") and "Traceback" not in done.stderr

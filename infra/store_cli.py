@@ -1,0 +1,92 @@
+"""The store's command line, ``python -m infra.store [--root R] [--endpoint-url U] COMMAND`` (infra/store.py runs
+``main``): list, versions, show (manifest and lineage), verify (every byte against the manifests), delete (one
+version, corrupt or not), gc (leftovers of crashed writes). See infra/store.py for what the store guarantees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from infra.artifacts import ArtifactRef, describe, lineage
+from infra.store import ArtifactStore, CorruptArtifactError, StoreError
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions K/N | show K/N@V |
+    verify [K/N[@V]] | delete K/N@V | gc"""
+    from infra.config import StorageConfig
+
+    default = StorageConfig()
+    parser = argparse.ArgumentParser(prog="python -m infra.store",
+                                     description="Inspect and repair the artifact store.")
+    parser.add_argument("--root", default=default.root, help="local folder or s3://bucket/prefix")
+    parser.add_argument("--endpoint-url", default=default.endpoint_url, help="S3 endpoint (or AWS_ENDPOINT_URL)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="kind/name pairs").add_argument("kind", nargs="?")
+    sub.add_parser("versions", help="committed versions of KIND/NAME").add_argument("artifact")
+    sub.add_parser("show", help="manifest and lineage of KIND/NAME@VERSION").add_argument("ref")
+    sub.add_parser("verify", help="check versions (all, those of KIND/NAME, or one) against their manifests, every "
+                   "byte; prints each corrupt one, exit status 1 if any").add_argument(
+        "target", nargs="?", metavar="KIND/NAME[@VERSION]")
+    sub.add_parser("delete", help="remove one version, also a corrupt one (how to repair what verify reports)"
+                   ).add_argument("ref", metavar="KIND/NAME@VERSION")
+    sub.add_parser("gc", help="remove leftovers of crashed writes (never a version with a manifest, corrupt or not: "
+                   "use delete)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")  # skipped versions are named
+    try:
+        _run(ArtifactStore(args.root, args.endpoint_url), args)
+    except (StoreError, FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
+    store.check()
+    if args.command == "list":
+        for kind, name in store.artifacts(args.kind):
+            found = store.versions(kind, name)
+            if found:  # else every manifest of kind/name is corrupt; versions() warned about each
+                print(f"{kind}/{name}  versions={len(found)}  latest={found[-1].ref}")
+    elif args.command == "versions":
+        for m in store.versions(*_kind_name(args.artifact)):
+            print(describe(m))
+    elif args.command == "show":
+        ref = ArtifactRef.parse(args.ref)
+        print(store.manifest(ref).to_json().decode())
+        print("lineage:\n" + "\n".join(lineage(store, str(ref), 1, set())))
+    elif args.command == "verify":
+        if _verify(store, args.target):
+            raise SystemExit(1)
+    elif args.command == "delete":
+        store.delete(ArtifactRef.parse(args.ref))
+        print(f"deleted {args.ref}")
+    else:
+        print(f"removed {store.gc()} leftovers")
+
+
+def _kind_name(text: str) -> tuple[str, str]:
+    kind, _, name = text.partition("/")
+    if not kind or not name or "@" in name:
+        raise ValueError(f"{text!r}: expected KIND/NAME, e.g. dataset/synthetic")
+    return kind, name
+
+
+def _verify(store: ArtifactStore, target: str | None) -> int:
+    """Verify every version `target` names (None: the whole store), a line each; -> the number of corrupt ones."""
+    if target is None:
+        refs = store.manifest_refs()
+    elif "@" in target:
+        refs = [ArtifactRef.parse(target)]
+    else:
+        refs = store.manifest_refs(*_kind_name(target))
+    num_corrupt = 0
+    for ref in refs:
+        try:
+            store.verify(ref)
+            print(f"ok       {ref}")
+        except CorruptArtifactError as exc:
+            num_corrupt += 1
+            print(f"CORRUPT  {exc}")
+    print(f"{len(refs)} versions checked, {num_corrupt} corrupt")
+    return num_corrupt
