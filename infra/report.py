@@ -1,11 +1,13 @@
 """HTML run report of one RL run: metric plots over steps, evaluation table, best and worst rollouts.
 
-``python -m infra.report --root ROOT --run RUN_ID [--out FILE]`` (without ``--out`` the report is saved in
-the store as ``runs/<RUN_ID>/report.html`` and its path or URL is printed).
+``python -m infra.report --root ROOT --run RUN_ID [--evals-run FLOW_RUN_ID] [--out FILE]`` (without ``--out``
+the report is saved in the store as ``runs/<FLOW_RUN_ID or RUN_ID>/report.html`` and its path or URL is printed;
+the flow saves it under its own run id, so flows that share an RL run keep their own reports).
 
 Everything comes from the store's run tables (``infra.trajectories``), read with DuckDB through
-``infra.sql.connect`` on one connection: ``metrics`` (long format, verl's names such as
-``critic/score/mean``, ``actor/ppo_kl``, ``timing_s/gen``), ``validation``, ``rollouts`` and ``evals``.
+``infra.sql.read`` on one read-only connection (a file it cannot read is skipped with a warning): ``metrics``
+(long format, verl's names such as ``critic/score/mean``, ``actor/ppo_kl``, ``timing_s/gen``), ``validation``,
+``rollouts`` and ``evals``.
 This module reads them into a ``RunData``; infra/report_render.py renders it: plots embedded as base64 PNG
 (one self-contained HTML file, no scripts, no external files), a note instead of a plot the run has no
 metrics for, every text from the data escaped.
@@ -27,7 +29,7 @@ import duckdb
 
 from infra.learning_signal import warnings_from_metrics
 from infra.report_render import RunData, render
-from infra.sql import connect
+from infra.sql import read
 from infra.store import ArtifactStore, StoreError
 from infra.trajectories import _check_segment
 
@@ -85,31 +87,33 @@ def _rollout_extremes(con, run_id: str, k: int) -> tuple[list[dict], list[dict]]
     return best, worst[:k]
 
 
-def read_run(store_or_root: ArtifactStore | str, run_id: str, evals_run_id: str | None = None,
-             num_rollouts: int = 3) -> RunData:
-    """Everything the report needs for run_id; UnknownRunError (listing the known run ids) if it has no rows."""
-    _check_segment("run_id", run_id)
-    con = connect(store_or_root)
-    try:
-        known = known_run_ids(con)
-        if run_id not in known:
-            root = store_or_root.root if isinstance(store_or_root, ArtifactStore) else store_or_root
-            raise UnknownRunError(f"run_id={run_id!r} has no rows in the store at {root!r}; known run ids: "
-                                  f"{', '.join(known) or 'none (the store has no run tables)'}")
-        metrics: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for r in _rows(con, "SELECT step, name, value FROM metrics WHERE run_id = ? ORDER BY step, name", [run_id]):
-            metrics[r["name"]].append((int(r["step"]), float(r["value"])))
-        val = [] if "score" not in _columns(con, "validation") else _rows(
-            con, "SELECT step, avg(score) AS s FROM validation WHERE run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
-        best, worst = _rollout_extremes(con, run_id, num_rollouts)
-        counts = _rows(con, "SELECT step, count(*) AS n FROM rollouts WHERE run_id = ? GROUP BY 1 ORDER BY 1",
-                       [run_id])
-        evals = _rows(con, "SELECT * FROM evals WHERE run_id = ?", [evals_run_id or run_id])
-    finally:
-        con.close()
+def _read_run(con, root: str, run_id: str, evals_run_id: str | None, num_rollouts: int) -> RunData:
+    known = known_run_ids(con)
+    if run_id not in known:
+        raise UnknownRunError(f"run_id={run_id!r} has no rows in the store at {root!r}; known run ids: "
+                              f"{', '.join(known) or 'none (the store has no run tables)'}")
+    metrics: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in _rows(con, "SELECT step, name, value FROM metrics WHERE run_id = ? ORDER BY step, name", [run_id]):
+        metrics[r["name"]].append((int(r["step"]), float(r["value"])))
+    val = [] if "score" not in _columns(con, "validation") else _rows(
+        con, "SELECT step, avg(score) AS s FROM validation WHERE run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
+    best, worst = _rollout_extremes(con, run_id, num_rollouts)
+    counts = _rows(con, "SELECT step, count(*) AS n FROM rollouts WHERE run_id = ? GROUP BY 1 ORDER BY 1", [run_id])
+    evals = _rows(con, "SELECT * FROM evals WHERE run_id = ?", [evals_run_id or run_id])
     return RunData(run_id, dict(metrics), [(int(r["step"]), float(r["s"])) for r in val], best, worst, evals,
                    sum(r["n"] for r in counts), [int(r["step"]) for r in counts], evals_run_id or run_id,
                    warnings_from_metrics(metrics))
+
+
+def read_run(store_or_root: ArtifactStore | str, run_id: str, evals_run_id: str | None = None,
+             num_rollouts: int = 3) -> RunData:
+    """Everything the report needs for run_id; UnknownRunError (listing the known run ids) if it has no rows.
+
+    Through ``infra.sql.read``: a file of the store that DuckDB cannot read (another run's, say) is skipped with
+    a warning instead of failing the report."""
+    _check_segment("run_id", run_id)
+    root = store_or_root.root if isinstance(store_or_root, ArtifactStore) else store_or_root
+    return read(store_or_root, lambda con: _read_run(con, root, run_id, evals_run_id, num_rollouts))
 
 
 class Report(NamedTuple):
@@ -131,12 +135,15 @@ def report_path(run_id: str) -> str:
     return f"runs/{_check_segment('run_id', run_id)}/{REPORT_FILE}"
 
 
-def write_report(store: ArtifactStore, rl_run_id: str, title: str | None = None, extra: dict | None = None,
-                 **kwargs) -> tuple[str, list[str]]:
-    """Build the report and save it atomically as runs/<rl_run_id>/report.html; -> (its path or URL, warnings)."""
-    report = build_report(store, rl_run_id, title, extra, **kwargs)
-    store.write_bytes(report_path(rl_run_id), report.html.encode())
-    return store.url(report_path(rl_run_id)), report.warnings
+def write_report(store: ArtifactStore, rl_run_id: str, title: str | None = None, extra: dict | None = None, *,
+                 evals_run_id: str | None = None, num_rollouts: int = 3) -> tuple[str, list[str]]:
+    """Build the report and save it atomically as runs/<evals_run_id or rl_run_id>/report.html; -> (its path or
+    URL, warnings). Under the run whose evaluation it shows: flows that share an RL run (a cache hit) each keep
+    their own report."""
+    report = build_report(store, rl_run_id, title, extra, evals_run_id=evals_run_id, num_rollouts=num_rollouts)
+    path = report_path(evals_run_id or rl_run_id)
+    store.write_bytes(path, report.html.encode())
+    return store.url(path), report.warnings
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -1,4 +1,4 @@
-"""SQL over the run tables of ``infra.trajectories`` with DuckDB, on a local store or on S3.
+"""SQL over the run tables of ``infra.trajectories`` with DuckDB, on a local store or on S3; read-only.
 
 ``python -m infra.sql [--root ROOT] [--endpoint-url URL] [--format table|csv|json] "SQL"``, e.g.::
 
@@ -6,11 +6,29 @@
 
 An in-memory DuckDB gets four views over every run in the store: ``rollouts``, ``metrics``, ``validation``
 (``run_id VARCHAR, step BIGINT, <file columns>``) and ``evals`` (``run_id VARCHAR, label VARCHAR, ...``),
-each a ``read_parquet`` over ``{table}/run_id=*/{step|label}=*/*.parquet`` with ``hive_partitioning`` (the
-partition values are typed with ``hive_types``, so ``step`` is an integer and a label such as ``100`` stays
-text) and ``union_by_name`` (runs with different ``reward_*`` columns read together; missing ones are
-NULL). A table with no files yet gets an empty view with the partition columns, so ``SELECT count(*)``
-gives 0. Views are defined when connecting: a table that was empty then stays empty on that connection.
+each a ``read_parquet`` over the explicit list of the table's files (``{table}/run_id=*/{step|label}=*/
+part-0.parquet``, listed through the store when connecting) with ``hive_partitioning`` (the partition values
+are typed with ``hive_types``, so ``step`` is an integer and a label such as ``100`` stays text) and
+``union_by_name`` (runs with different ``reward_*`` columns read together; missing ones are NULL). A table
+with no files yet gets an empty view with the partition columns, so ``SELECT count(*)`` gives 0. Views are
+defined when connecting: a file written later is not seen on that connection.
+
+Bad files: one unreadable file must not break every query over every run. A file that DuckDB cannot read
+(truncated, empty, not parquet, a corrupt footer) or whose column types do not union with the other files'
+is left out of its view (the reason for explicit lists) with a warning naming it, and the rest answers. Most
+fail when the view is defined (``union_by_name`` reads every footer; an error naming no file, a corrupt footer's,
+is bisected for its file); one that DuckDB names in an error while ``query``/``read``/the CLI runs is dropped
+and the query runs again. A type conflict names the file DuckDB was casting, often a good one: the files of the
+rarer of the two types go. (An odd file whose type wins the union, a STRUCT among DOUBLEs, gives the view that
+type: ``avg(score)`` then fails in the binder, naming no file; ``SELECT score`` reads and drops it.) More than
+``MAX_SKIPPED_FILES`` bad files on one connection is an error.
+
+Read-only: ``query``, ``read`` and the CLI run exactly one statement, a read (``READS``); anything else (COPY,
+CREATE, INSERT, SET, PRAGMA settings, INSTALL/LOAD, ATTACH, ...) is a ``ReadOnlyError`` naming its type. Each
+connection is also locked by DuckDB itself, set after the views and the S3 secret exist: ``allowed_paths`` = the
+views' files with ``enable_external_access=false`` (no other file or URL: ``read_csv('/etc/passwd')``, ``COPY
+... TO`` and ``ATTACH`` of a file are refused, so the store's credentials cannot write to it either), no extension
+auto-installed or auto-loaded, and ``lock_configuration`` (no SET undoes any of it).
 
 S3 (``s3://bucket/prefix``): DuckDB's own httpfs extension, loaded from the file shipped in the PyPI
 package ``duckdb-extension-httpfs`` (``LOAD '<site-packages>/duckdb_extension_httpfs/extensions/v1.5.5/
@@ -19,11 +37,10 @@ secret built from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_
 (``AWS_REGION``/``AWS_DEFAULT_REGION``, else us-east-1); a custom endpoint gets path-style URLs and SSL only
 for ``https://``. Why httpfs rather than ``con.register_filesystem(s3fs)``: it is native code (parallel
 ranged reads that fetch only the parquet footers and the needed columns, no Python callbacks under the GIL),
-and its globbing, hive partitioning and errors are DuckDB's own. If the extension cannot be loaded (no
-package, or none built for this DuckDB version), it warns and falls back to registering the store's s3fs
-filesystem, which works with any DuckDB version; other fsspec roots (``memory://``) always use that way.
-Secrets are never printed: DuckDB redacts them in ``duckdb_secrets()`` and a rejected secret is reported
-without its SQL.
+and its errors are DuckDB's own. If the extension cannot be loaded (no package, or none built for this DuckDB
+version), it warns and falls back to registering the store's s3fs filesystem, which works with any DuckDB
+version; other fsspec roots (``memory://``) always use that way. Files are listed through the store either way.
+Secrets are never printed: DuckDB redacts them in ``duckdb_secrets()``; a rejected secret is reported without SQL.
 """
 
 from __future__ import annotations
@@ -35,14 +52,18 @@ import json
 import logging
 import math
 import os
+import re
 import sys
+from collections.abc import Callable
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import duckdb
 
+from infra.s3 import limit_httpfs
 from infra.store import ArtifactStore, StoreError
 from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES
 
@@ -54,6 +75,19 @@ VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("labe
 # fixed schema).
 EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS}
 FORMATS = ("table", "csv", "json")
+# Files a connection leaves out of its views before giving up: more than a stray bad file is a damaged store.
+MAX_SKIPPED_FILES = 20
+READS = ("SELECT, WITH ... SELECT, FROM ..., VALUES, TABLE, DESCRIBE, SHOW, SUMMARIZE, PIVOT/UNPIVOT ... IN (...), "
+         "EXPLAIN [ANALYZE] of one of those")
+_CAST = re.compile(r'failed to cast column "(?P<column>.+?)" from type (?P<source>.+?) to (?P<target>.+?): ')
+# Leading comments, EXPLAIN, ANALYZE, options: what follows is the statement that EXPLAIN ANALYZE would run.
+_EXPLAIN = re.compile(r"(?:\s|--[^\n]*\n|/\*.*?\*/)*EXPLAIN\s+(?:ANALY[SZ]E\s+)?"
+                      r"(?:\((?![\s(]*(?:SELECT|WITH|FROM|VALUES|TABLE)\b)[^)]*\)\s*)?", re.IGNORECASE | re.DOTALL)
+T = TypeVar("T")
+
+
+class ReadOnlyError(ValueError):
+    """A statement or a file access that the read-only SQL tool refuses; the message names it."""
 
 
 def _literal(text: str) -> str:
@@ -123,47 +157,182 @@ def _attach_storage(con: duckdb.DuckDBPyConnection, store: ArtifactStore) -> Non
         return
     if store.root.startswith("s3://") and _load_httpfs(con):
         _create_s3_secret(con, store.endpoint_url)
+        limit_httpfs(con, store.limits)  # the store's timeout and attempts per request
     else:
         con.register_filesystem(store.fs)
 
 
-def _view_sql(con: duckdb.DuckDBPyConnection, store: ArtifactStore, table: str) -> str:
+def _select(table: str, files: list[str]) -> str:
+    """The SELECT of a view over exactly these files; no files: no rows, with the partition columns."""
     key, key_type = VIEWS[table]
-    pattern = _literal(f"{store.url(table)}/run_id=*/{key}=*/{PART}")
-    if con.sql(f"SELECT count(*) FROM glob({pattern})").fetchone()[0] == 0:
+    if not files:
         columns = {"run_id": "VARCHAR", key: key_type, **EMPTY_COLUMNS.get(table, {})}
-        select = ", ".join(f"NULL::{kind} AS {name}" for name, kind in columns.items())
-        return f"CREATE VIEW {table} AS SELECT {select} WHERE false"
-    return (f"CREATE VIEW {table} AS SELECT run_id, {key}, * EXCLUDE (run_id, {key}) FROM read_parquet("
-            f"{pattern}, hive_partitioning=true, union_by_name=true, "
-            f"hive_types={{'run_id': VARCHAR, '{key}': {key_type}}})")
+        return "SELECT " + ", ".join(f"NULL::{kind} AS {name}" for name, kind in columns.items()) + " WHERE false"
+    return (f"SELECT run_id, {key}, * EXCLUDE (run_id, {key}) FROM read_parquet([{', '.join(map(_literal, files))}], "
+            f"hive_partitioning=true, union_by_name=true, hive_types={{'run_id': VARCHAR, '{key}': {key_type}}})")
 
 
-def connect(store_or_root: ArtifactStore | str, endpoint_url: str | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with the views rollouts, metrics, validation and evals over every run in the store."""
+class _Views:
+    """The views of one connection, each over an explicit list of the store's files, so that a file DuckDB
+    cannot read is dropped from its view (with a warning naming it) instead of failing every query."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, store: ArtifactStore):
+        self.con = con
+        self.files = {table: [store.url(rel) for rel in store.glob(f"{table}/run_id=*/{key}=*/{PART}")]
+                      for table, (key, _) in VIEWS.items()}
+        self.num_skipped = 0
+
+    def define(self, table: str) -> None:
+        """(Re)create the view of table; union_by_name reads every footer here, so unreadable files show now."""
+        while True:
+            try:
+                self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {_select(table, self.files[table])}")
+                return
+            except duckdb.Error as exc:
+                found = self._culprits(exc)
+                if found is None and not isinstance(exc, duckdb.IOException):  # IO: the store, not a file
+                    bad = self._unreadable(table, self.files[table])
+                    why = f"DuckDB cannot read its footer ({str(exc).splitlines()[0]})"
+                    found = (table, [bad], why) if bad else None
+                if found is None:
+                    raise
+                self._skip(*found, exc)
+
+    def run(self, reader: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+        """reader(con); on an error caused by some of the store's files, drop them, redefine the view, retry."""
+        while True:
+            try:
+                return reader(self.con)
+            except duckdb.Error as exc:
+                found = self._culprits(exc)
+                if found is None:
+                    raise
+                self._skip(*found, exc)
+                self.define(found[0])
+
+    def _culprits(self, exc: duckdb.Error) -> tuple[str, list[str], str] | None:
+        """(table, files to drop, why) for an error that names one of the views' files, else None."""
+        message = str(exc)
+        named = next(((table, url) for table, urls in self.files.items() for url in urls if url in message), None)
+        if named is None:
+            return None
+        cast = _CAST.search(message)
+        if isinstance(exc, duckdb.ConversionException) and cast:
+            return self._rarer_type(named[0], cast["column"], cast["source"], cast["target"])
+        if isinstance(exc, duckdb.InvalidInputException):  # not parquet, truncated, empty, bad magic
+            return named[0], [named[1]], message.splitlines()[0]
+        return None
+
+    def _rarer_type(self, table: str, column: str, source: str, target: str) -> tuple[str, list[str], str] | None:
+        """A column whose types cannot be unioned: the files of the rarer of the two types (the named file's,
+        source, on a tie) are the odd ones. DuckDB names whichever file it was reading, often a good one."""
+        types = {url: self._column_type(table, url, column) for url in self.files[table]}
+        sources = [url for url, kind in types.items() if kind == source]
+        targets = [url for url, kind in types.items() if kind == target]
+        bad, bad_type, good, good_type = ((sources, source, targets, target) if len(sources) <= len(targets)
+                                          else (targets, target, sources, source))
+        if not bad:
+            return None
+        return table, bad, (f"column {column!r} is {bad_type} here and {good_type} in {len(good)} other files; "
+                            "DuckDB cannot union the two")
+
+    def _column_type(self, table: str, url: str, column: str) -> str | None:
+        found = self.con.execute(f"SELECT column_type FROM (DESCRIBE {_select(table, [url])}) WHERE column_name = ?",
+                                 [column]).fetchone()
+        return found and found[0]
+
+    def _unreadable(self, table: str, files: list[str]) -> str | None:
+        """Bisect for a file whose footer DuckDB cannot read (its error, a thrift one, names no file); None if
+        every half reads alone (the error is not one file's)."""
+        try:
+            self.con.execute(f"DESCRIBE {_select(table, files)}")
+            return None
+        except duckdb.Error:
+            if len(files) == 1:
+                return files[0]
+        half = len(files) // 2
+        return self._unreadable(table, files[:half]) or self._unreadable(table, files[half:])
+
+    def _skip(self, table: str, bad: list[str], why: str, exc: duckdb.Error) -> None:
+        self.num_skipped += len(bad)
+        if self.num_skipped > MAX_SKIPPED_FILES:
+            raise ValueError(f"more than {MAX_SKIPPED_FILES} unreadable files in the store's tables (the last: "
+                             f"{', '.join(bad)}: {why}); the store is damaged: restore or delete those files") from exc
+        for url in bad:
+            logger.warning("skipping %s: %s. The query reads the other files; fix: restore or delete that file",
+                           url, why)
+            self.files[table].remove(url)
+
+
+def _lock(con: duckdb.DuckDBPyConnection, files: list[str]) -> None:
+    """From now on: read the views' files only, no other file or URL, no extension, no change of settings.
+    Set last: the secret and the views need the access they lose here."""
+    con.execute("SET allowed_paths = ?", [files])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def _open(store_or_root: ArtifactStore | str, endpoint_url: str | None) -> _Views:
     store = store_or_root if isinstance(store_or_root, ArtifactStore) else ArtifactStore(store_or_root, endpoint_url)
-    con = duckdb.connect()
+    # No extension is installed or loaded behind our back; httpfs is loaded explicitly from its file.
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
     try:
         con.execute("SET TimeZone = 'UTC'")  # show the UTC `time` columns as UTC whatever the machine's zone
         _attach_storage(con, store)
+        views = _Views(con, store)
         for table in VIEWS:
-            con.execute(_view_sql(con, store, table))
+            views.define(table)
+        _lock(con, [url for urls in views.files.values() for url in urls])
     except BaseException:
         con.close()
         raise
-    return con
+    return views
+
+
+def connect(store_or_root: ArtifactStore | str, endpoint_url: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A locked in-memory DuckDB with the views rollouts, metrics, validation and evals over every run in the
+    store; unreadable files are left out of the views with a warning. Its statements are not checked (use
+    query() or read() for SQL from users), nor retried when a file fails only while a query runs."""
+    return _open(store_or_root, endpoint_url).con
+
+
+def read(store_or_root: ArtifactStore | str, reader: Callable[[duckdb.DuckDBPyConnection], T],
+         endpoint_url: str | None = None) -> T:
+    """reader(con) on a connect()ion; if it fails on some of the store's files, reader runs again without them."""
+    views = _open(store_or_root, endpoint_url)
+    try:
+        return views.run(reader)
+    except duckdb.PermissionException as exc:
+        raise ReadOnlyError(f"the store is read-only: {' '.join(str(exc).split())}; only the store's run "
+                            "tables can be read") from None
+    finally:
+        views.con.close()
+
+
+def check_read(sql: str) -> None:
+    """ValueError unless sql is exactly one statement; ReadOnlyError unless that statement is a read (READS)."""
+    statements = duckdb.extract_statements(sql)
+    if len(statements) != 1:
+        raise ValueError(f"only one SQL statement per query, got {len(statements)}: {sql!r:.300}")
+    kind = statements[0].type
+    if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs what it explains: judge that
+        explain = _EXPLAIN.match(sql)
+        explained = duckdb.extract_statements(sql[explain.end():]) if explain else []
+        kind = explained[0].type if len(explained) == 1 else kind
+    if kind != duckdb.StatementType.SELECT:
+        raise ReadOnlyError(f"the store is read-only: {kind.name} statements are refused ({sql.strip()!r:.300}); "
+                            f"allowed: {READS}")
 
 
 def query(root: ArtifactStore | str, sql: str, endpoint_url: str | None = None) -> list[dict]:
-    """Run sql over the store's views; -> rows as dicts (column name -> Python value); [] for statements."""
-    con = connect(root, endpoint_url)
-    try:
+    """Run one read (check_read) over the store's views; -> rows as dicts (column name -> Python value)."""
+    check_read(sql)
+
+    def rows(con: duckdb.DuckDBPyConnection) -> list[dict]:
         rel = con.sql(sql)
-        if rel is None:
-            return []
         return [dict(zip(rel.columns, row)) for row in rel.fetchall()]
-    finally:
-        con.close()
+
+    return read(root, rows, endpoint_url)
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -206,10 +375,13 @@ def main(argv: list[str] | None = None) -> None:
     from infra.config import StorageConfig
 
     default = StorageConfig()
-    parser = argparse.ArgumentParser(prog="python -m infra.sql", description=__doc__.split("\n\n")[0],
-                                     epilog="views: rollouts, metrics, validation (run_id, step, ...); "
-                                            "evals (run_id, label, ...)")
-    parser.add_argument("sql", help="one SQL statement, e.g. \"SELECT count(*) FROM rollouts\"")
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.sql", description=__doc__.split("\n\n")[0],
+        epilog="views: rollouts, metrics, validation (run_id, step, ...); evals (run_id, label, ...). The store is "
+               f"read-only: one statement, a read ({READS}); refused: writes (COPY, CREATE, INSERT, ...), SET/PRAGMA "
+               "settings, INSTALL/LOAD, ATTACH, and any file or URL outside the store's run tables. A file DuckDB "
+               "cannot read is skipped with a warning naming it.")
+    parser.add_argument("sql", help="one read statement, e.g. \"SELECT count(*) FROM rollouts\"")
     parser.add_argument("--root", default=default.root, help="local folder or s3://bucket/prefix")
     parser.add_argument("--endpoint-url", default=default.endpoint_url, help="S3 endpoint (or AWS_ENDPOINT_URL)")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
@@ -217,10 +389,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="rows shown by --format table (the count of hidden rows is printed); csv/json print all")
     args = parser.parse_args(argv)
     try:
-        con = connect(args.root, args.endpoint_url)
-        rel = con.sql(args.sql)
-        if rel is not None:
-            _print(rel, args.format, args.max_rows)
+        check_read(args.sql)
+        read(args.root, lambda con: _print(con.sql(args.sql), args.format, args.max_rows), args.endpoint_url)
     except (duckdb.Error, StoreError, ValueError) as exc:
         raise SystemExit("error: " + " ".join(str(exc).split())) from None
 

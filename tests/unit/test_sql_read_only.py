@@ -1,0 +1,131 @@
+"""infra.sql is read-only: one statement, a read, over the store's run tables and nothing else; the connection
+itself is locked by DuckDB's settings, so even code that skips the statement check cannot write or escape."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from infra import sql
+from infra.store import ArtifactStore
+from infra.trajectories import RunTables
+from tests.unit.test_trajectories import PROJECT, write_scores
+
+
+@pytest.fixture
+def local(tmp_path) -> ArtifactStore:
+    """run-a and run-b (rollouts, steps 1-3) and run-a's metrics (pg_loss = step / 4)."""
+    store = ArtifactStore(str(tmp_path / "store"), cache_dir=tmp_path / "cache")
+    write_scores(store)
+    for step in (1, 2, 3):
+        RunTables(store, "run-a").write_metrics(step, {"actor/pg_loss": step / 4})
+    return store
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_reads_work_views_aggregates_joins(local):
+    join = ("SELECT r.step, avg(r.score) AS s, any_value(m.value) AS loss FROM rollouts r JOIN metrics m "
+            "USING (run_id, step) WHERE r.run_id = 'run-a' GROUP BY 1 ORDER BY 1")
+    assert sql.query(local, join) == [{"step": 1, "s": 0.5, "loss": 0.25}, {"step": 2, "s": 1.0, "loss": 0.5},
+                                      {"step": 3, "s": 0.25, "loss": 0.75}]  # scores (0+1)/2, (1+1)/2, (.5+0)/2
+    last = sql.query(local, "WITH t AS (SELECT run_id, max(step) AS last FROM rollouts GROUP BY 1) SELECT * FROM t "
+                            "ORDER BY 1")
+    assert last == [{"run_id": "run-a", "last": 3}, {"run_id": "run-b", "last": 3}]
+    assert sql.query(local, "FROM metrics SELECT count(*) AS n;") == [{"n": 3}]
+    assert {"run_id", "step", "score"} <= {r["column_name"] for r in sql.query(local, "DESCRIBE rollouts")}
+    assert {r["name"] for r in sql.query(local, "SHOW TABLES")} == {"rollouts", "metrics", "validation", "evals"}
+    assert sql.query(local, "-- the plan\nEXPLAIN ANALYZE SELECT count(*) FROM rollouts")[0]["explain_key"] == \
+        "analyzed_plan"
+    own_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")  # a table file: the store's own
+    assert sql.query(local, f"SELECT count(*) AS n FROM read_parquet('{own_file}')") == [{"n": 2}]
+
+
+@pytest.mark.parametrize("statement", ["SELECT 1; SELECT 2", "SELECT 1; COPY (SELECT 1) TO '{out}'", "", "-- only"])
+def test_exactly_one_statement(local, tmp_path, statement):
+    out = tmp_path / "out.csv"
+    with pytest.raises(ValueError, match="only one SQL statement per query, got [02]"):
+        sql.query(local, statement.format(out=out))
+    assert not out.exists()
+
+
+REFUSED = [  # (statement, the type named in the error)
+    ("COPY (SELECT * FROM rollouts) TO '{out}'", "COPY"),
+    ("COPY (SELECT 1 AS score) TO '{store}/rollouts/run_id=x/step=00000001/part-0.parquet'", "COPY"),
+    ("EXPLAIN ANALYZE COPY (SELECT 1) TO '{out}'", "COPY"),  # EXPLAIN ANALYZE runs it
+    ("EXPLAIN (FORMAT json, ANALYZE) COPY (SELECT 1) TO '{out}'", "COPY"),
+    ("EXPORT DATABASE '{out}'", "EXPORT"),
+    ("CREATE TABLE t AS SELECT * FROM rollouts", "CREATE"),
+    ("CREATE OR REPLACE VIEW rollouts AS SELECT 1 AS x", "CREATE"),
+    ("INSERT INTO rollouts (score) VALUES (1)", "INSERT"),
+    ("DROP VIEW metrics", "DROP"),
+    ("INSTALL httpfs", "LOAD"),
+    ("LOAD httpfs", "LOAD"),
+    ("ATTACH '{out}' AS other", "ATTACH"),
+    ("SET enable_external_access = true", "SET"),
+    ("RESET lock_configuration", "SET"),
+    ("PRAGMA threads = 1", "SET"),
+    ("PRAGMA enable_profiling", "PRAGMA"),
+    ("CALL pragma_version()", "CALL"),
+]
+
+
+@pytest.mark.parametrize(("statement", "kind"), REFUSED, ids=[s for s, _ in REFUSED])
+def test_writes_settings_extensions_and_attach_are_refused(local, tmp_path, statement, kind):
+    before = snapshot(tmp_path)
+    out = tmp_path / "out.csv"
+    with pytest.raises(sql.ReadOnlyError, match=f"^the store is read-only: {kind} statements are refused"):
+        sql.query(local, statement.format(out=out, store=local.root))
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("reader", ["read_text", "read_csv", "read_blob", "read_parquet", "glob"])
+def test_files_outside_the_run_tables_are_refused(local, tmp_path, reader):
+    outside = tmp_path / "secret.csv"
+    outside.write_text("a,b\n1,2\n")
+    local.write_bytes("runs/x/report.html", b"a,b\n1,2\n")  # in the store, but not a run table
+    for path in (str(outside), local.url("runs/x/report.html"), "https://example.com/x.csv"):
+        with pytest.raises(sql.ReadOnlyError, match=f"^the store is read-only: .*Cannot access file \"{path}\""):
+            sql.query(local, f"SELECT * FROM {reader}('{path}')")
+
+
+def test_the_connection_itself_is_locked(local, tmp_path):
+    """Below the statement check: DuckDB refuses files, extensions and settings on the connection."""
+    con = sql.connect(local)
+    settings = dict(con.sql("SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
+                            "'lock_configuration', 'autoinstall_known_extensions', 'autoload_known_extensions')"
+                            ).fetchall())
+    assert settings == {"enable_external_access": "false", "lock_configuration": "true",
+                        "autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
+    before = snapshot(tmp_path)
+    table_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")  # readable, not writable
+    for statement in (f"COPY (SELECT 1) TO '{tmp_path / 'out.csv'}'", f"COPY (SELECT 1 AS score) TO '{table_file}'",
+                      f"ATTACH '{tmp_path / 'other.db'}'", "LOAD httpfs"):
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(statement)
+    with pytest.raises(duckdb.InvalidInputException, match="the configuration has been locked"):
+        con.execute("SET enable_external_access = true")
+    assert snapshot(tmp_path) == before
+    assert con.sql("SELECT count(*) FROM rollouts").fetchone() == (12,)
+
+
+def run_cli(store: ArtifactStore, statement: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infra.sql", "--root", store.root, statement], cwd=PROJECT,
+                          capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_cli_errors(local, tmp_path):
+    out = tmp_path / "out.csv"
+    for statement, error in ((f"SELECT 1; COPY (SELECT 1) TO '{out}'", "error: only one SQL statement per query"),
+                             (f"COPY (SELECT 1) TO '{out}'", "error: the store is read-only: COPY statements"),
+                             ("SELECT * FROM read_text('/etc/hostname')", "error: the store is read-only: ")):
+        done = run_cli(local, statement)
+        assert done.returncode == 1 and done.stdout == ""
+        assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(error), done.stderr
+    assert not out.exists()
