@@ -16,6 +16,7 @@ the rest goes to log files in the run folder. `--verbose` (= `tracking.console=v
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -25,9 +26,11 @@ from infra import prefect_env
 prefect_env.configure()
 
 from prefect import flow, get_run_logger  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
 
 from infra.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
 from infra.console import RunConsole, hide_chatter  # noqa: E402
+from infra.orphans import crash_orphans, mark_ended, record_process, run_scratch  # noqa: E402
 from tasks.figures import FIGURES  # noqa: E402
 from tasks.stages import (  # noqa: E402
     RunContext,
@@ -44,10 +47,11 @@ from tasks.stages import (  # noqa: E402
 
 
 def start_run(cfg: Config) -> RunContext:
-    """Make the run folder, save the resolved config there and in the store."""
-    run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """Make the run folder, save the resolved config there and in the store. The run id is the name, the start
+    time (readable, sortable) and 8 random hex digits: flows started in the same second never share one."""
+    run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
     run_dir = Path(cfg.run.output_dir).resolve() / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True)  # exists already: not this run's folder, never write into it
     text = to_yaml(cfg)
     (run_dir / "config.yaml").write_text(text)
     store = open_store(cfg)
@@ -61,19 +65,32 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
     """Post-train a model end to end from a YAML recipe plus dotted overrides."""
     cfg = load_config(recipe, overrides or [])
     ctx = start_run(cfg)
+    record_process(Path(ctx.run_dir), str(flow_run.id))
+    try:
+        with run_scratch(Path(ctx.run_dir)):
+            return _post_train(cfg, ctx)
+    finally:
+        mark_ended(Path(ctx.run_dir))
+
+
+def _post_train(cfg: Config, ctx: RunContext) -> dict:
     with RunConsole(ctx.run_dir, cfg.tracking.console) as console:
         get_run_logger().info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
+        crashed = crash_orphans(Path(cfg.run.output_dir).resolve())
+        if crashed:
+            get_run_logger().warning("marked %d earlier flow runs Crashed: their process ended without reporting "
+                                     "(killed?): %s", len(crashed), ", ".join(crashed))
         stages = StageLog(cfg, console)
-        dataset = stages.run("data-prep", data_prep_task, cfg)
-        base_model = stages.run("base-model", base_model_task, cfg, dataset)
+        dataset = stages.run("data-prep", data_prep_task, cfg, ctx)
+        base_model = stages.run("base-model", base_model_task, cfg, dataset, ctx)
         models, checkpoint = {"base": base_model}, None
         if cfg.sft.enabled:
             models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
         if cfg.rl.enabled:
             init_model = models.get("sft", base_model)
             checkpoint = stages.run("rl", rl_task, cfg, dataset, init_model, ctx)
-            models["rl"] = stages.run("merge", merge_task, cfg, checkpoint, init_model)
-        results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label)
+            models["rl"] = stages.run("merge", merge_task, cfg, checkpoint, init_model, ctx)
+        results = {label: stages.run(f"evaluate-{label}", evaluate_task, cfg, dataset, model, label, ctx)
                    for label, model in models.items()}
         publish_evals_task(cfg, results, ctx)
         report = report_task(cfg, checkpoint, ctx) if checkpoint else None

@@ -1,7 +1,9 @@
 """Prefect tasks: thin wrappers that run a stage, version its outputs in the store and cache the result.
 
 Each task's cache key is the hash of the config sections the stage reads plus the versions of its input
-artifacts (and the store root), so changing an unrelated section (say `evaluate`) does not re-run SFT.
+artifacts (and the store root), so changing an unrelated section (say `evaluate`) does not re-run SFT, plus
+the content of every local file the stage reads through a path (data files, a reward function file, a local
+model folder: `content_digest`), so replacing a file behind the same path is a cache miss.
 Tasks return artifact references as strings (`kind/name@version`); results persist as JSON under
 PREFECT_RESULTS_LOCAL_STORAGE_PATH. Code changes do not invalidate the cache (every manifest records
 the code version); run with `--refresh-cache` to force a re-run.
@@ -9,6 +11,8 @@ the code version); run with `--refresh-cache` to force a re-run.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable
@@ -20,10 +24,13 @@ from infra import prefect_env
 prefect_env.configure()
 
 from prefect import get_run_logger, task  # noqa: E402
+from prefect.settings import get_current_settings  # noqa: E402
 
-from infra.artifacts import ArtifactRef  # noqa: E402
+from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
 from infra.config import Config, config_hash  # noqa: E402
+from infra.lease import stage_lease  # noqa: E402
+from infra.orphans import SCRATCH  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
 from infra.tracking import Tracker  # noqa: E402
 from stages.merge import checkpoint_metadata  # noqa: E402
@@ -35,6 +42,11 @@ class RunContext:
 
     run_id: str
     run_dir: str
+
+    @property
+    def tmp_dir(self) -> Path:
+        """The flow's temporary folders go here (infra/orphans.py removes it, after a kill too)."""
+        return Path(self.run_dir) / SCRATCH
 
 
 def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
@@ -48,15 +60,47 @@ def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str
 
 
 def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[str]) -> str:
-    return config_hash(*sections(cfg), *inputs, cfg.storage.root)
+    return config_hash(*sections(cfg), *map(_input_identity, inputs), cfg.storage.root)
+
+
+def _input_identity(value: str) -> str:
+    """An artifact ref as is (its version is a content hash); a local path as path + content digest, so that
+    replacing the files behind the same path is a new input; anything else (a hub id) as is."""
+    try:
+        ArtifactRef.parse(value)
+        return value
+    except ValueError:
+        return f"{value}#{content_digest(value)}" if value and Path(value).exists() else value
+
+
+def content_digest(path: str | None) -> str | None:
+    """sha256 over a local file's bytes, or over a folder's (relative path, file sha256) pairs; None for None or
+    a path that does not exist here (a hub id, or a dataset name)."""
+    if not path or not Path(path).exists():
+        return None
+    root = Path(path).resolve()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.relative_to(root) if file != root else ''}\0".encode())
+        digest.update(_file_digest(str(file), stat.st_size, stat.st_mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, computed once per (path, size, mtime) in this process: cache keys of several stages hash
+    the same model folder."""
+    return file_sha256(Path(path))
 
 
 def _data_sections(cfg: Config) -> tuple:
-    return cfg.data, str(cfg.run.seed)
+    return cfg.data, str(cfg.run.seed), content_digest(cfg.data.path), content_digest(cfg.data.gsm8k_path)
 
 
 def _base_model_sections(cfg: Config) -> tuple:
-    return cfg.model.path, cfg.model.tiny, str(cfg.run.seed)
+    return cfg.model.path, cfg.model.tiny, str(cfg.run.seed), content_digest(cfg.model.path)
 
 
 def _sft_sections(cfg: Config) -> tuple:
@@ -64,7 +108,9 @@ def _sft_sections(cfg: Config) -> tuple:
 
 
 def _rl_sections(cfg: Config) -> tuple:
-    return cfg.rl, cfg.model, cfg.data, str(cfg.run.seed)
+    reward = cfg.rl.reward
+    return (cfg.rl, cfg.model, cfg.data, str(cfg.run.seed), content_digest(reward.custom_path),
+            content_digest(reward.reward_model_path))
 
 
 def _merge_sections(cfg: Config) -> tuple:
@@ -73,13 +119,14 @@ def _merge_sections(cfg: Config) -> tuple:
 
 def _eval_sections(cfg: Config) -> tuple:
     """What evaluation results depend on: the engine as resolved here (auto -> vllm or hf), the prompt
-    and response lengths, dtype, the reward function and the sampling seed."""
+    and response lengths, dtype, the reward function (its file's content too) and the sampling seed."""
     from stages.evaluate import resolve_engine
 
     ev, reward = cfg.evaluate, cfg.rl.reward
     return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
             cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
-            reward.custom_path, reward.custom_function, str(reward.timeout_s), str(cfg.run.seed))
+            reward.custom_path, reward.custom_function, str(reward.timeout_s), str(cfg.run.seed),
+            content_digest(reward.custom_path))
 
 
 def open_store(cfg: Config) -> ArtifactStore:
@@ -97,12 +144,12 @@ def local_model_path(store: ArtifactStore, model: str) -> str:
 
 @task(name="data-prep", cache_key_fn=stage_key("data-prep", _data_sections), persist_result=True,
       result_serializer="json", retries=1)
-def data_prep_task(cfg: Config) -> str:
+def data_prep_task(cfg: Config, ctx: RunContext) -> str:
     from stages.data_prep import run_data_prep
 
     log = get_run_logger()
     store = open_store(cfg)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         stats = run_data_prep(cfg.data, cfg.run.seed, Path(tmp))
         ref = store.put_dir("dataset", cfg.data.source, Path(tmp),
                             inputs={"source": _data_origin(cfg)}, config_hash=stage_hash(cfg, _data_sections, []),
@@ -119,7 +166,7 @@ def _data_origin(cfg: Config) -> str:
 
 @task(name="base-model", cache_key_fn=stage_key("base-model", _base_model_sections, ("dataset",)),
       persist_result=True, result_serializer="json")
-def base_model_task(cfg: Config, dataset: str) -> str:
+def base_model_task(cfg: Config, dataset: str, ctx: RunContext) -> str:
     """'tiny': build the model + tokenizer from the dataset's text; otherwise the path/hub id as given."""
     if cfg.model.path != "tiny":
         return cfg.model.path
@@ -128,7 +175,7 @@ def base_model_task(cfg: Config, dataset: str) -> str:
 
     store = open_store(cfg)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         build_tiny_model(cfg.model.tiny, corpus_texts(data_dir), cfg.run.seed, tmp)
         ref = store.put_dir("model", f"base-tiny-{cfg.model.tiny.arch}", Path(tmp), inputs={"dataset": dataset},
                             config_hash=stage_hash(cfg, _base_model_sections, [dataset]))
@@ -145,12 +192,16 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
     key = stage_hash(cfg, _sft_sections, [dataset, base_model])
     inputs = {"dataset": dataset, "base_model": base_model}
     checkpoints = StoreCheckpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs,
-                                   checkpoint_metadata(cfg.model))
+                                   checkpoint_metadata(cfg.model), ctx.tmp_dir)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
-    with tempfile.TemporaryDirectory() as tmp, _tracker(cfg, ctx, "sft") as tracker:
-        result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
-        ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
-                            metadata={"steps": result.num_steps, "metrics": result.final_metrics})
+    with stage_lease(store, f"sft-{key}", ctx.run_id):
+        made = [m.ref for m in store.versions("model", "sft") if m.config_hash == key]
+        if made and not get_current_settings().tasks.refresh_cache:  # a concurrent flow with the same config
+            return str(made[-1])  # trained it while this one waited for the lease
+        with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft") as tracker:
+            result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
+            ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
+                                metadata={"steps": result.num_steps, "metrics": result.final_metrics})
     get_run_logger().info("sft model: %s after %d steps", ref, result.num_steps)
     return str(ref)
 
@@ -172,11 +223,16 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     key = stage_hash(cfg, _rl_sections, [dataset, init_model])
     inputs = {"dataset": dataset, "init_model": init_model}
     run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
-    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, checkpoint_metadata(cfg.model))
+    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, checkpoint_metadata(cfg.model),
+                                   ctx.tmp_dir)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
-    with _tracker(cfg, ctx, "rl") as tracker:
-        result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints, RunTables(store, run_id),
-                        tracker)
+    with stage_lease(store, run_id, ctx.run_id):
+        final = checkpoints.at_step(cfg.rl.total_steps)
+        if final:  # a concurrent flow with the same config trained it while this one waited for the lease
+            return str(final)
+        with _tracker(cfg, ctx, "rl") as tracker:
+            result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints,
+                            RunTables(store, run_id), tracker)
     get_run_logger().info("rl: %d steps, final checkpoint %s (trajectories: run_id=%s)", result.num_steps,
                           result.checkpoint, run_id)
     return str(result.checkpoint)
@@ -184,7 +240,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
 
 @task(name="merge", cache_key_fn=stage_key("merge", _merge_sections, ("checkpoint", "base_model")),
       persist_result=True, result_serializer="json", retries=1)
-def merge_task(cfg: Config, checkpoint: str, base_model: str, name: str = "rl") -> str:
+def merge_task(cfg: Config, checkpoint: str, base_model: str, ctx: RunContext, name: str = "rl") -> str:
     """A checkpoint (+ the model it was trained from) -> a plain HF folder, the versioned artifact model/<name>."""
     from stages.merge import merge_checkpoint, merge_source, store_merged
 
@@ -193,7 +249,7 @@ def merge_task(cfg: Config, checkpoint: str, base_model: str, name: str = "rl") 
     if ref.kind != "checkpoint":
         raise ValueError(f"merge: {checkpoint} is not a checkpoint; re-run the flow with --refresh-cache")
     source = merge_source(store, ref, base_model=base_model)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         result = merge_checkpoint(source, Path(tmp) / "model")
         model = store_merged(store, source, result, name,
                              config_hash=stage_hash(cfg, _merge_sections, [checkpoint, base_model]))
@@ -204,14 +260,14 @@ def merge_task(cfg: Config, checkpoint: str, base_model: str, name: str = "rl") 
 
 @task(name="evaluate", cache_key_fn=stage_key("evaluate", _eval_sections, ("dataset", "model")),
       persist_result=True, result_serializer="json")
-def evaluate_task(cfg: Config, dataset: str, model: str, label: str) -> dict:
+def evaluate_task(cfg: Config, dataset: str, model: str, label: str, ctx: RunContext) -> dict:
     """Evaluate one model on the dataset's validation split; -> its summary record (stages.evaluate.summary)."""
     from stages.evaluate import evaluate_model, summary
 
     store = open_store(cfg)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     result = evaluate_model(cfg, Path(local_model_path(store, model)), data_dir / "validation.parquet")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         (Path(tmp) / "metrics.json").write_text(json.dumps(result.scores, indent=2))
         (Path(tmp) / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
         ref = store.put_dir("eval", label, Path(tmp), inputs={"dataset": dataset, "model": model},

@@ -179,7 +179,7 @@ def test_constant_rewards_warn_in_console_log_report_and_prefect(tmp_path):
     assert done.returncode == 0 and console.count(said) == 1, console
     [run_dir] = (tmp_path / "out" / "runs").iterdir()
     assert said in (run_dir / "run.log").read_text()
-    [page] = (tmp_path / "store" / "runs").glob("rl-*/report.html")
+    page = tmp_path / "store" / "runs" / run_dir.name / "report.html"
     assert '<div class="warning" role="alert">' in page.read_text() and said in page.read_text()
     artifact = subprocess.run([sys.executable, "-c", "from prefect.artifacts import Artifact; "
                                "print(Artifact.get('run-report').data)"], env=env, capture_output=True, text=True,

@@ -3,6 +3,7 @@ hits, RL resumes from its last checkpoint with the same data and learning rate, 
 completed step's trajectories exactly once and no partial artifact, and the flow goes on to merge the final
 checkpoint and evaluate base, SFT and RL (with the default engine: vLLM here)."""
 
+import json
 import os
 import re
 import signal
@@ -35,10 +36,27 @@ def overrides(tmp_path):
 
 
 def start(tmp_path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
-    return subprocess.Popen([sys.executable, "-m", "flows.post_train", *overrides(tmp_path)], cwd=PROJECT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "flows.post_train", *overrides(tmp_path)], cwd=PROJECT,
+                            env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def prefect_states(tmp_path) -> dict[str, list[str]]:
+    """Sorted state types of the flow runs and of the RL task runs in the runs' Prefect database."""
+    code = ("import json; from prefect.client.orchestration import get_client\n"
+            "with get_client(sync_client=True) as c:\n"
+            "    rl = [r for r in c.read_task_runs() if r.name.startswith('rl')]\n"
+            "    print(json.dumps({'flow': sorted(r.state_type.value for r in c.read_flow_runs()),\n"
+            "                      'rl task': sorted(r.state_type.value for r in rl)}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def env(tmp_path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
 
 
 def wait_for_rollouts(store_root: Path, step: int, process: subprocess.Popen, timeout: float = 600) -> None:
@@ -58,6 +76,7 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     wait_for_rollouts(tmp_path / "store", 3, first)  # step 3 written; the last checkpoint is step 2
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
+    assert list((tmp_path / "out" / "runs").glob("*/tmp")), "the killed run's temporary folder"
 
     second = start(tmp_path)
     output, _ = second.communicate(timeout=900)
@@ -68,6 +87,10 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     assert "pid=" not in output and "| INFO" not in output and len(output.splitlines()) < 60, output
     run_log = Path(re.search(r"^logs: (\S+/run\.log)", output, re.M).group(1))
     assert "rl: resumed at step 2" in run_log.read_text()
+    # the killed run no longer shows RUNNING in Prefect: the rerun marked it (and its RL task run) Crashed
+    assert "marked 1 earlier flow runs Crashed" in output
+    assert prefect_states(tmp_path) == {"flow": ["COMPLETED", "CRASHED"], "rl task": ["COMPLETED", "CRASHED"]}
+    assert not list((tmp_path / "out" / "runs").glob("*/tmp")), "temporary folders of both runs are removed"
     assert "vLLM engine ready" in (run_log.parent / "workers" / "rl.log").read_text()
 
     root = str(tmp_path / "store")

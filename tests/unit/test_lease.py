@@ -1,0 +1,92 @@
+"""Stage leases (infra.lease) on a real store: one holder at a time, a waiter goes on when the holder is done,
+a dead or silent holder's lease is taken over; `create_exclusive` is atomic on a local folder and on S3."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from infra import lease
+from infra.store import ArtifactStore, StoreError
+
+
+@pytest.fixture(autouse=True)
+def fast(monkeypatch):
+    monkeypatch.setattr(lease, "POLL_S", 0.02)
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
+
+
+@pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
+def test_create_exclusive_writes_once(store):
+    assert store.create_exclusive("leases/x.json", b"first")
+    assert not store.create_exclusive("leases/x.json", b"second")
+    assert store.read_bytes("leases/x.json") == b"first"
+    store.delete_table_file("leases/x.json")
+    assert store.create_exclusive("leases/x.json", b"third")
+
+
+def test_a_second_holder_waits_for_the_first(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    order = []
+
+    def second():
+        with lease.stage_lease(store, "rl-k", "flow-2"):
+            order.append("second in")
+
+    with lease.stage_lease(store, "rl-k", "flow-1"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.3)  # the waiter polls meanwhile and must not get in
+        assert json.loads(store.read_bytes("leases/rl-k.json"))["owner"] == "flow-1"
+        order.append("first out")
+    waiter.join(timeout=10)
+    assert order == ["first out", "second in"]
+    assert store.glob("leases/*") == []  # released
+
+
+def test_the_lease_of_a_dead_process_is_taken_over(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = json.loads(lease._record("killed-flow"))
+    record.update(pid=int(gone.stdout), started=0.0)  # a pid whose process has ended
+    store.write_bytes("leases/sft-k.json", json.dumps(record).encode())
+    with lease.stage_lease(store, "sft-k", "flow-3"):
+        assert json.loads(store.read_bytes("leases/sft-k.json"))["owner"] == "flow-3"
+
+
+def test_a_silent_holder_is_stale_after_the_ttl(monkeypatch):
+    record = {"owner": "elsewhere", "host": "another-host", "pid": 1, "renewed": time.time()}
+    assert not lease.is_stale(record)  # another host's live-looking lease is respected
+    record["renewed"] -= lease.TTL_S + 1
+    assert lease.is_stale(record)
+
+
+def test_the_holder_renews_its_lease(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    with lease.stage_lease(store, "rl-r", "flow-4"):
+        first = json.loads(store.read_bytes("leases/rl-r.json"))["renewed"]
+        time.sleep(0.3)
+        assert json.loads(store.read_bytes("leases/rl-r.json"))["renewed"] > first
+
+
+def test_a_failing_release_does_not_hide_the_stages_error(tmp_path, monkeypatch, caplog):
+    """A storage fault often hits the stage and then the release: the stage's error is the one raised."""
+    store = ArtifactStore(str(tmp_path / "store"))
+
+    def unreachable(relpath):
+        raise StoreError(f"reading {relpath} failed")
+
+    with pytest.raises(ValueError, match="the stage's error"):
+        with lease.stage_lease(store, "rl-f", "flow-5"):
+            monkeypatch.setattr(store, "read_bytes", unreachable)
+            raise ValueError("the stage's error")
+    assert "could not release the lease" in caplog.text
+    store = ArtifactStore(str(tmp_path / "store"))
+    with pytest.raises(StoreError, match="reading leases/rl-g.json"):  # without a stage error, it is the error
+        with lease.stage_lease(store, "rl-g", "flow-6"):
+            monkeypatch.setattr(store, "read_bytes", unreachable)
