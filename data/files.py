@@ -25,10 +25,12 @@ import logging
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from infra.config import ColumnMapping, DataConfig
@@ -104,24 +106,52 @@ def data_files(path: Path) -> list[Path]:
 
 
 def read_rows(path: Path) -> Iterator[Row]:
-    """Rows of one file with their locations; a JSONL line that is not a JSON object becomes a BadRow."""
+    """Rows of one file with their locations; a JSONL line that is not UTF-8 text or not a JSON object becomes a
+    BadRow (whose message never quotes the line: data may be private, and errors reach logs)."""
     if path.suffix == ".parquet":
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        for i, row in enumerate(read_parquet(path).to_pylist()):
             yield Location(path.name, i), row
         return
     index = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            row = _json_row(raw)
+            if row is None:
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                row = BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")
-            if not isinstance(row, dict | BadRow):
-                row = BadRow(f"a JSON {type(row).__name__}, expected an object with named fields")
             yield Location(path.name, index, line_no), row
             index += 1
+
+
+def _json_row(raw: bytes) -> dict | BadRow | None:
+    """One JSONL line -> its object, a BadRow saying what is wrong, or None for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadRow(f"not UTF-8 text (byte {exc.start + 1} of the line is {raw[exc.start:exc.start + 1]!r}); "
+                      "save the file as UTF-8")
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(row, dict):
+        return BadRow(f"a JSON {type(row).__name__}, expected an object with named fields")
+    return row
+
+
+def read_parquet(path: Path) -> pa.Table:
+    with _parquet_errors(path):
+        return pq.read_table(path)
+
+
+@contextmanager
+def _parquet_errors(path: Path) -> Iterator[None]:
+    """pyarrow's errors with the file's name (its own do not say which: 'Parquet file size is 0 bytes')."""
+    try:
+        yield
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ValueError(f"{path}: not a readable parquet file ({exc}); replace or remove it") from None
 
 
 def split_files(files: list[Path]) -> dict[str, list[Path]]:
@@ -142,7 +172,8 @@ def column_names(files: list[Path]) -> set[str]:
     names: set[str] = set()
     for path in files:
         if path.suffix == ".parquet":
-            names.update(pq.read_schema(path).names)
+            with _parquet_errors(path):
+                names.update(pq.read_schema(path).names)
             continue
         for _, (_, row) in zip(range(1000), read_rows(path), strict=False):
             if isinstance(row, dict):

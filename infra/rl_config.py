@@ -127,6 +127,11 @@ class RewardConfig(_Section):
     custom_function: str = Field("compute_score", description="Function name in custom_path.")
     num_workers: int = Field(2, gt=0, description="Scorer processes.")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scorer timeout; a timeout scores 0.")
+    max_failed_frac: float = Field(
+        0.9, gt=0, le=1, description="When at least this share of a batch's samples fail to score (error, timeout "
+        "or NaN), on_failure applies; fewer failures score 0 with one warning per batch.")
+    on_failure: Literal["error", "warn"] = Field(
+        "error", description="error: stop the run (a broken reward would train on zeros); warn: score them 0 loudly.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO: penalise the last N tokens before max (0: off).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO: penalty at max length.")
     reward_model_path: str | None = Field(

@@ -50,6 +50,10 @@ STARTUP_TIMEOUT_S = 120.0  # a worker must import and load the reward function w
 SNIPPET_CHARS = 80  # of solution_str, in warnings
 
 
+class RewardFailedError(RuntimeError):
+    """(Almost) every sample of a batch failed to score (rl.reward.max_failed_frac, on_failure=error)."""
+
+
 @dataclass
 class RewardRequest:
     data_source: str
@@ -211,7 +215,8 @@ class RewardPool:
         self._finalizer()
 
     def score(self, requests: list[RewardRequest]) -> RewardResult:
-        """Score `requests` in order; bad samples score 0 and are counted in the metrics, never raised."""
+        """Score `requests` in order; bad samples score 0 and are counted in the metrics. When at least
+        `max_failed_frac` of them failed, RewardFailedError (on_failure=error) or one loud warning (warn)."""
         if not self._finalizer.alive:
             raise RuntimeError("RewardPool.score() after close(); create a new RewardPool")
         self._discard_stale()
@@ -225,7 +230,9 @@ class RewardPool:
                 self._wait_and_pump()
         finally:
             self._requests, self._outcomes, self._queue, self._missing = [], [], deque(), 0
-        return self._assemble(requests, outcomes)
+        result = self._assemble(requests, outcomes)
+        self._check_failures(requests, result.errors)
+        return result
 
     # -- the event loop ---------------------------------------------------------------------------
 
@@ -336,11 +343,6 @@ class RewardPool:
         errors = [o[2] for o in outcomes]
         names = list(dict.fromkeys(k for o in outcomes for k in o[1]))
         components = {k: [o[1].get(k, math.nan) for o in outcomes] for k in names}
-        for request, error in zip(requests, errors):
-            if error is not None:
-                snippet = request.solution_str[:SNIPPET_CHARS]
-                snippet += "..." if len(request.solution_str) > SNIPPET_CHARS else ""
-                logger.warning("reward of a %r sample is 0: %s; solution: %r", request.data_source, error, snippet)
         self._warn_dropped(k for o in outcomes for k in o[3])
         metrics = {
             "reward/errors": float(sum(e is not None and e.startswith("error") for e in errors)),
@@ -351,6 +353,25 @@ class RewardPool:
             present = [v for v in values if not math.isnan(v)]
             metrics[f"reward/{name}/mean"] = sum(present) / len(present) if present else math.nan
         return RewardResult(scores=scores, components=components, errors=errors, metrics=metrics)
+
+    def _check_failures(self, requests: list[RewardRequest], errors: list[str | None]) -> None:
+        """One warning per batch with failed samples (not one per sample), naming the first; the configured
+        action when (almost) all of them failed."""
+        failed = [(r, e) for r, e in zip(requests, errors) if e is not None]
+        if not failed:
+            return
+        request, error = failed[0]
+        snippet = request.solution_str[:SNIPPET_CHARS] + ("..." if len(request.solution_str) > SNIPPET_CHARS else "")
+        text = (f"the reward failed on {len(failed)} of {len(requests)} samples (scored 0); the first, a "
+                f"{request.data_source!r} sample: {error}; solution: {snippet!r}")
+        if len(failed) < self.cfg.max_failed_frac * len(requests):
+            logger.warning(text)
+        elif self.cfg.on_failure == "error":
+            raise RewardFailedError(f"{text}. Fix the reward function (rl.reward.custom_path / custom_function), or "
+                                    "set rl.reward.on_failure=warn to go on scoring failures as 0")
+        else:
+            logger.warning("%s. rl.reward.max_failed_frac=%g reached; going on (rl.reward.on_failure=warn)", text,
+                           self.cfg.max_failed_frac)
 
     def _warn_dropped(self, keys) -> None:
         for key in set(keys) - self._warned_keys:

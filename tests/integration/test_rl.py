@@ -125,8 +125,8 @@ def test_bad_reward_functions_do_not_stop_the_run(tiny_data_dir, tiny_model_dir,
     path = tmp_path / "reward.py"
     path.write_text(BAD_REWARD)
     result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, f"rl.reward.custom_path={path}",
-                       "rl.reward.timeout_s=0.5", "rl.reward.num_workers=2", "rl.total_steps=2",
-                       "rl.val_before_train=false", "rl.test_freq=0")
+                       "rl.reward.on_failure=warn", "rl.reward.timeout_s=0.5", "rl.reward.num_workers=2",
+                       "rl.total_steps=2", "rl.val_before_train=false", "rl.test_freq=0")
     assert result.num_steps == 2
     for name in ("reward/errors", "reward/timeouts", "reward/nan"):
         assert sum(metric(root, name)) > 0, name

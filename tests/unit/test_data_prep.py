@@ -302,6 +302,25 @@ def test_bad_rows_skip_counts(tmp_path, caplog):
     assert all((tmp_path / "out" / name).exists() for name in OUTPUTS)
 
 
+def test_a_line_that_is_not_utf8_is_a_bad_row_that_names_its_line(tmp_path, caplog):
+    data = tmp_path / "data.jsonl"
+    good = [json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}).encode() for i in range(4)]
+    data.write_bytes(b"\n".join([good[0], b'{"question": "caf\xe9 private text", "answer": "1"}', *good[1:]]) + b"\n")
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\) of data.jsonl: not UTF-8 text \(byte 18 of the line is "
+                                         r"b'\\xe9'\); save the file as UTF-8") as info:
+        run_data_prep(DataConfig(source="file", path=str(data)), 0, tmp_path / "out")
+    assert "private" not in str(info.value)  # the row's content is never quoted
+    stats = run_data_prep(DataConfig(source="file", path=str(data), bad_rows="skip"), 0, tmp_path / "out")
+    assert stats["num_skipped_rows"] == 1 and "private" not in caplog.text
+
+
+def test_an_unreadable_parquet_file_is_named(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "empty.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.parquet: not a readable parquet file \(Parquet file size is 0"):
+        run_data_prep(DataConfig(source="file", path=str(tmp_path / "d")), 0, tmp_path / "out")
+
+
 def test_gsm8k_bad_row(tmp_path):
     good, bad = {"question": "R?", "answer": "2 + 3 = 5\n#### 5"}, {"question": "Q?", "answer": "4 apples"}
     data = write_jsonl(tmp_path / "g.jsonl", [good, bad, good, good])

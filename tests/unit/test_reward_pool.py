@@ -15,7 +15,7 @@ import torch
 
 from infra.rl_config import RewardConfig
 from stages.rewards.overlong import overlong_penalty
-from stages.rewards.pool import RewardPool, RewardRequest
+from stages.rewards.pool import RewardFailedError, RewardPool, RewardRequest
 
 TIMEOUT_S = 0.5
 
@@ -166,7 +166,7 @@ def test_bad_scorers_are_contained_and_pool_keeps_working(tmp_path, num_workers,
             assert result.errors[3 * i] is None and result.errors[3 * i + 2] is None
             assert result.errors[3 * i + 1].startswith(expected_error[kind]), kind
         assert result.metrics == {"reward/errors": 4.0, "reward/timeouts": 2.0, "reward/nan": 2.0}
-        assert caplog.text.count("reward of a") == 8  # each bad sample logged
+        assert caplog.text.count("the reward failed on 8 of 24 samples") == 1  # one warning per batch
         # the workers that hung or died are gone (killed and reaped, no zombies) and were replaced
         replaced = {int((tmp_path / kind).read_text()) for kind in ("sleep", "spin", "exit")}
         assert len(replaced) == 3 and not replaced & _children()
@@ -227,3 +227,20 @@ def test_overlong_penalty_rejects_bad_settings():
         overlong_penalty([1], 20, 4, -1.0)
     with pytest.raises(ValueError, match="max_response_length=0"):
         overlong_penalty([1], 0, 0, 1.0)
+
+
+ALWAYS_FAILS = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise KeyError('x')\n"
+
+
+def test_a_reward_that_fails_on_almost_every_sample_stops_the_run(tmp_path):
+    cfg = RewardConfig(custom_path=_write(tmp_path, ALWAYS_FAILS), num_workers=1, max_failed_frac=0.9)
+    with RewardPool(cfg) as pool, pytest.raises(RewardFailedError, match=r"failed on 10 of 10 samples.*KeyError.*"
+                                                                        r"rl.reward.on_failure=warn"):
+        pool.score([RewardRequest("mine", "a", "a", None)] * 10)
+
+
+def test_on_failure_warn_scores_zero_and_says_so(tmp_path, caplog):
+    cfg = RewardConfig(custom_path=_write(tmp_path, ALWAYS_FAILS), num_workers=1, on_failure="warn")
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="stages.rewards.pool"):
+        result = pool.score([RewardRequest("mine", "a", "a", None)] * 10)
+    assert result.scores == [0.0] * 10 and "max_failed_frac=0.9 reached" in caplog.text
