@@ -4,13 +4,21 @@ Every function returns `(advantages, returns)`, both (B, T) and zero under the m
 (`torch.no_grad`). Outcome-reward estimators reduce `token_level_rewards` to one score per sequence
 (`score_b = sum over valid t of r[b,t]`) and broadcast a per-sequence advantage over the valid tokens.
 
+Masks with holes (multi-turn rollouts: [model][tool][model]...[pad], tool/user tokens False): every estimator
+only reads valid positions. The token-level scans (gae, reinforce_plus_plus) skip a masked position, carrying
+the next valid token's value and running advantage/return across it, so a tool answer neither discounts
+nor restarts them; remax sums rewards over valid tokens; outcome estimators broadcast over the valid tokens
+and opo's L counts them. So every estimator gives, on the valid tokens, exactly what it gives on the same
+sequences with the masked spans cut out. Rewards must sit on valid tokens (the outcome score on the last
+valid one): a reward under the mask is ignored.
+
     gae                           GAE(gamma, lam) over valid tokens, returns = adv + V, adv whitened.
     grpo / dr_grpo                (score - mean_g) / (std_g + eps); Dr.GRPO drops the std division.
     grpo_passk                    only the best of each group: (max_g - second_max_g) [/ (std_g + eps)].
     rloo                          (score - mean_g) * n / (n - 1) = score - mean of the others.
-    opo                           score - sum_g(L * score) / sum_g(L), L the response length.
+    opo                           score - sum_g(L * score) / sum_g(L), L the valid-token count.
     gpg                           alpha * (score - mean_g), alpha = B / #(nonzero scores).
-    reinforce_plus_plus           discounted return-to-go per token, whitened over the batch.
+    reinforce_plus_plus           discounted return-to-go over valid tokens, whitened over the batch.
     reinforce_plus_plus_baseline  (score - mean_g) broadcast, whitened over the batch.
     remax                         return-to-go minus the greedy response's score.
 
@@ -19,7 +27,10 @@ sample has mean 0 and std 1 (verl's behaviour, so it keeps its raw score).
 
 Deviations from verl:
     * `returns` are zeroed under the mask too (verl leaves `adv + values` or carried sums there).
-    * Scores sum the rewards of valid tokens only (verl sums the whole row; rewards sit on valid tokens).
+    * Scores sum the rewards of valid tokens only (verl sums the whole row). verl's agent loop puts the
+      outcome score on the last non-pad token, a masked tool token when a trajectory ends with a tool
+      answer; there verl's grpo family counts it but its gae, reinforce_plus_plus and remax lose it. Here the
+      score goes on the last valid token (`stages.batch.token_level_scores`), which every estimator reads.
     * Whitening never raises on a batch with a single valid token (see `masked.masked_var`).
     * `gpg` has no `f_norm` argument: verl's is always 1.
 Paper notes kept from verl: `gpg`'s alpha counts sequences with a nonzero score (verl's reading), where
@@ -193,7 +204,7 @@ def opo_advantages(
 
     Args:
         token_level_rewards: (B, T).
-        response_mask: bool (B, T); L_b is its row sum.
+        response_mask: bool (B, T); L_b is its row sum (model tokens only, as verl's `response_mask.sum(-1)`).
         index: (B,) group id per sequence.
 
     Returns:
@@ -235,7 +246,10 @@ def reinforce_plus_plus_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (arXiv 2501.03262): discounted return-to-go per token, whitened over the batch.
 
-    G_t = r_t + gamma * G_{t+1}, where the running return is reset to 0 after each masked position.
+    G_t = r_t + gamma * G_next on valid tokens, where "next" is the next *valid* token: masked positions
+    (tool/user tokens inside a multi-turn response, padding after it) pass the running return through
+    unchanged and their rewards are dropped, so a reward after a tool answer reaches the turns before it
+    (verl PR #7300). On a prefix mask this is the plain reset-after-EOS scan.
 
     Args:
         token_level_rewards: (B, T).
@@ -250,9 +264,8 @@ def reinforce_plus_plus_advantages(
     running = torch.zeros_like(token_level_rewards[:, 0])
     reversed_returns = []
     for t in reversed(range(token_level_rewards.shape[-1])):
-        running = token_level_rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, running)
         reversed_returns.append(running)
-        running = torch.where(mask[:, t], running, 0.0)
     returns = torch.where(mask, torch.stack(reversed_returns[::-1], dim=-1), 0.0)
     advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)
     return advantages, returns

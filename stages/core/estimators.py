@@ -44,8 +44,10 @@ class AdvantageInputs:
     """The batch tensors an advantage estimator may read.
 
     Attributes:
-        token_level_rewards: (B, T) scores plus any per-token KL penalty; outcome scores on the last token.
-        response_mask: bool (B, T), True on valid response tokens.
+        token_level_rewards: (B, T) scores plus any per-token KL penalty; outcome scores on the last valid
+            token (rewards under the mask are ignored).
+        response_mask: bool (B, T), True on the model's own response tokens; False on tool/user tokens of a
+            multi-turn response (holes) and on padding.
         index: (B,) group id per sequence (prompt uid): tensor, numpy array or list of hashables.
         values: (B, T) critic values of the rollout (GAE).
         reward_baselines: (B,) greedy-response scores (ReMax).

@@ -2,10 +2,12 @@
 
 Notation used in this package:
     B: sequences in the (micro-)batch.  T: response tokens per sequence (padded).  V: vocabulary size.
-    response_mask / loss_mask: bool (B, T), True on valid response tokens.
+    response_mask / loss_mask: bool (B, T), True on valid response tokens (the model's own); a multi-turn
+        response has holes (tool/user tokens False), and every reduction here only counts True entries.
 
 Loss aggregation (verl's `agg_loss` modes), with N_tok the valid-token count, N_seq the count of sequences
-that have at least one valid token, L_b the valid length of sequence b and T_max the max response length:
+that have at least one valid token, L_b the number of valid tokens of sequence b and T_max the max response
+length (by default the padded width T, masked tool tokens included, as verl's `loss_mask.shape[-1]`):
 
     token-mean                 sum_{b,t} l[b,t]                 / N_tok
     seq-mean-token-sum         sum_b (sum_t l[b,t])             / N_seq

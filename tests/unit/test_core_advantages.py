@@ -121,11 +121,12 @@ def test_reinforce_plus_plus():
     _close(result, [[(g - mean) / std for g in valid[:3]], [(g - mean) / std for g in valid[3:]] + [0.0]])
 
 
-def test_reinforce_plus_plus_resets_at_masked_tokens():
-    mask, rewards = _m([[1, 0, 1]]), _t([[0.0, 5.0, 1.0]])  # the 5 sits on a masked (observation) token
-    _, returns = adv.reinforce_plus_plus_advantages(rewards, mask, gamma=1.0)
-    # G2 = 1; t=1 masked: running reset to 0 after it; G0 = 0 + 1 * 0 = 0
-    _close(returns, [[0.0, 0.0, 1.0]])
+def test_reinforce_plus_plus_carries_through_masked_tokens():
+    mask, rewards = _m([[1, 0, 1]]), _t([[0.0, 5.0, 0.5]])  # the 5 sits on a masked (observation) token
+    _, returns = adv.reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    # G2 = 0.5; t=1 masked: skipped (its 5 dropped, no discount), running stays 0.5; G0 = 0 + 0.5 * 0.5 = 0.25
+    # (verl before PR #7300 reset the running return there and gave G0 = 0)
+    _close(returns, [[0.25, 0.0, 0.5]])
 
 
 def test_gae():
