@@ -25,7 +25,8 @@ def register_scorer(data_sources: Iterable[str], scorer: Scorer) -> None:
         SCORERS[data_source] = scorer
 
 
-register_scorer(["openai/gsm8k"], lambda text, truth, _extra: gsm8k.compute_score(text, truth))  # strict
+register_scorer(["openai/gsm8k", "synthetic/calculator"],
+                lambda text, truth, _extra: gsm8k.compute_score(text, truth))  # strict: '#### N' alone
 register_scorer(["synthetic/arithmetic"], arithmetic.compute_score)
 register_scorer(MATH_SOURCES, lambda text, truth, _extra: math.compute_score(text, truth))
 

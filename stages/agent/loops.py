@@ -1,0 +1,86 @@
+"""Agent loops: how one prompt row becomes `n` trajectories. Each row names its loop in `agent_name`.
+
+An `AgentLoop` gets a batch of samples (the rows that named it) and a `LoopContext` (the engine's batched
+`generate`, the tokenizer, the sampling parameters with `n`, the tools) and returns `n` trajectories per
+sample, prompt-major. Loops are registered in `AGENT_LOOPS` under verl's names; `agent_loop(name)` also takes
+`path/to/file.py:ClassName` or `package.module.ClassName` for a user's own loop (a subclass of AgentLoop).
+
+`single_turn` is one batched engine call with `params.n` samples per prompt: exactly the call the RL loop,
+validation and evaluation made before loops existed, so its results are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from infra.imports import load_object
+from stages.agent.trajectory import Trajectory
+from stages.core.registry import Registry
+from stages.rollout.base import RolloutOutput, SamplingParams
+
+DEFAULT_LOOP = "single_turn"
+GenerateFn = Callable[[list[list[int]], SamplingParams], list[RolloutOutput]]
+
+
+@dataclass
+class Sample:
+    """One prompt row as a loop sees it."""
+
+    prompt_index: int  # index into the rows given to Rollout.run
+    prompt_ids: list[int]  # chat template applied, generation prompt added
+    messages: list[dict]  # the row's chat list
+    extra_info: dict = field(default_factory=dict)  # verl's extra_info (tools_kwargs, interaction_kwargs, ...)
+
+
+@dataclass
+class LoopContext:
+    generate: GenerateFn  # batched: prompt ids + params -> outputs, prompt-major (n per prompt)
+    tokenizer: Any
+    params: SamplingParams
+    tools: dict[str, Any] = field(default_factory=dict)  # name -> tool (stages/tools)
+    options: Any = None  # the loop's config section (e.g. rl.rollout.multi_turn)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class AgentLoop:
+    """Base of every loop. Subclasses implement `run_batch`."""
+
+    name = ""
+
+    def run_batch(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
+        """`ctx.params.n` trajectories per sample, prompt-major, `prompt_index` copied from each sample."""
+        raise NotImplementedError(f"{type(self).__name__}.run_batch")
+
+
+AGENT_LOOPS: Registry[type[AgentLoop]] = Registry("agent loop")
+
+
+@AGENT_LOOPS.register("single_turn")
+class SingleTurnLoop(AgentLoop):
+    """One model turn per sample: the prompt, then the response up to a stop token or max_tokens."""
+
+    name = "single_turn"
+
+    def run_batch(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
+        outputs = ctx.generate([s.prompt_ids for s in samples], ctx.params)
+        return [Trajectory(prompt_index=samples[o.prompt_index].prompt_index, response_ids=o.response_ids,
+                           response_mask=[1] * len(o.response_ids), logprobs=o.logprobs,
+                           finish_reason=o.finish_reason, text=ctx.decode(o.response_ids), agent_name=self.name)
+                for o in outputs]
+
+
+def agent_loop(name: str) -> AgentLoop:
+    """The loop registered as `name`, or a user's AgentLoop subclass by `file.py:Class` / `package.module.Class`."""
+    if name in AGENT_LOOPS.keys():
+        return AGENT_LOOPS.get(name)()
+    if ":" not in name and "." not in name:
+        AGENT_LOOPS.get(name)  # raises: unknown loop, listing the registered ones
+    cls = load_object(name, "agent loop")
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+        raise ValueError(f"agent loop {name!r} is not a subclass of stages.agent.AgentLoop; define "
+                         "class MyLoop(AgentLoop) with run_batch(ctx, samples)")
+    return cls()

@@ -1,0 +1,169 @@
+"""The `tool_agent` loop (stages/agent/tool_loop.py) with the real tiny tokenizer and chat template and real tools.
+
+The policy is scripted (`Script`: each call returns the next text of a sample's script, tokenized, ending in the
+end-of-turn token), so that the trajectory's exact layout can be checked by hand; the engine is the only stand-in:
+the loop, the parser, the tools and the template are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infra.rl_config import MultiTurnConfig
+from stages.agent import LoopContext, Sample, ToolAgentLoop
+from stages.agent.tool_loop import BatchedEngine, truncate_text
+from stages.model.loading import load_tokenizer, tool_turn_ids
+from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.tools.base import BaseTool, ToolResponse, ToolSchema
+from stages.tools.calculator import CalculatorTool
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
+class Script:
+    """generate(): sample k's i-th call answers script[k][i] (tokenized + the end-of-turn token); records the
+    prompt ids of every call."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[str]], first_token: dict[int, int]):
+        self.tokenizer, self.scripts, self.first_token = tokenizer, scripts, first_token
+        self.seen: dict[int, list[list[int]]] = {k: [] for k in scripts}
+        self.batches: list[int] = []
+
+    def __call__(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        self.batches.append(len(prompt_ids))
+        outputs = []
+        for i, ids in enumerate(prompt_ids):
+            k = next(k for k, first in self.first_token.items() if ids[0] == first)
+            self.seen[k].append(list(ids))
+            text = self.scripts[k][len(self.seen[k]) - 1]
+            out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out = out[: params.max_tokens]
+            finish = "stop" if out[-1] == self.tokenizer.eos_token_id else "length"
+            outputs.append(RolloutOutput(i, out, [-0.25] * len(out), finish))
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def run(tokenizer, scripts: dict[int, list[str]], tools=None, max_tokens=200, **options):
+    prompts = {k: tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"question {k}"}],
+                                                          add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)["input_ids"] for k in scripts}
+    prompts = {k: [1000 + k] + ids for k, ids in prompts.items()}  # a first token that names the sample
+    script = Script(tokenizer, scripts, {k: ids[0] for k, ids in prompts.items()})
+    ctx = LoopContext(script, tokenizer, SamplingParams(n=1, max_tokens=max_tokens, seed=3),
+                      {"calculator": CalculatorTool(), **(tools or {})}, MultiTurnConfig(**options))
+    samples = [Sample(k, prompts[k], [{"role": "user", "content": f"question {k}"}]) for k in scripts]
+    return ToolAgentLoop().run_batch(ctx, samples), script, prompts
+
+
+def test_three_turns_layout_by_hand(tokenizer):
+    """model turn (call) | tool answer | model turn (call) | tool answer | model turn (final)."""
+    [t], script, prompts = run(tokenizer, {0: [CALL % "12*7", CALL % "84+1", "#### 85"]})
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tokenizer.eos_token_id
+    turn1, turn2, turn3 = ids(CALL % "12*7") + [eos], ids(CALL % "84+1") + [eos], ids("#### 85") + [eos]
+    tool1 = ids("\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
+    tool2 = ids("\n<|im_start|>tool\n85<|im_end|>\n<|im_start|>assistant\n")
+    assert tool_turn_ids(tokenizer, [{"role": "tool", "content": "84"}]) == tool1
+    assert t.response_ids == turn1 + tool1 + turn2 + tool2 + turn3
+    assert t.response_mask == [1] * len(turn1) + [0] * len(tool1) + [1] * len(turn2) + [0] * len(tool2) + \
+        [1] * len(turn3)
+    assert t.logprobs == [-0.25] * len(turn1) + [0.0] * len(tool1) + [-0.25] * len(turn2) + [0.0] * len(tool2) + \
+        [-0.25] * len(turn3)
+    # token in, token out: each turn was generated from exactly the ids so far, never from re-encoded text
+    assert script.seen[0] == [prompts[0], prompts[0] + turn1 + tool1, prompts[0] + turn1 + tool1 + turn2 + tool2]
+    assert t.finish_reason == "stop" and t.num_turns == 3
+    assert t.text == "\n".join([CALL % "12*7", CALL % "84+1", "#### 85"])
+    assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert t.turns[1]["tool_name"] == "calculator" and t.turns[1]["text"] == "84" and not t.turns[1]["error"]
+    assert t.metrics["tool/calls"] == 2 and t.metrics["tool/calculator/errors"] == 0
+
+
+def test_limits_end_the_trajectory(tokenizer):
+    [t], _, _ = run(tokenizer, {0: [CALL % "1+1"] * 5}, max_assistant_turns=2)
+    assert t.finish_reason == "max_turns" and t.num_turns == 2 and sum(r["role"] == "tool" for r in t.turns) == 1
+    [t], _, _ = run(tokenizer, {0: [CALL % "1+1"] * 5}, max_user_turns=1)
+    assert t.finish_reason == "max_turns" and t.num_turns == 2
+    [t], _, _ = run(tokenizer, {0: [CALL % "1+1"] * 5}, max_tokens=40)
+    assert t.finish_reason == "length" and len(t.response_ids) == 40
+    assert len(t.response_mask) == len(t.logprobs) == 40
+
+
+def test_bad_calls_become_error_texts_and_counts(tokenizer):
+    class Hangs(BaseTool):
+        @classmethod
+        def default_schema(cls):
+            return ToolSchema(function={"name": "hangs", "description": "never answers",
+                                        "parameters": {"type": "object", "properties": {}}})
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            await asyncio.sleep(60)
+            return ToolResponse("late")
+
+    bad = ['<tool_call>{"name": "calculator", "arguments": {oops</tool_call>',
+           '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>',
+           '<tool_call>{"name": "hangs", "arguments": {}}</tool_call>',
+           CALL % "1/0", "done"]
+    [t], _, _ = run(tokenizer, {0: bad}, tools={"hangs": Hangs()}, max_assistant_turns=10, max_user_turns=10,
+                    tool_timeout_s=0.2, max_tokens=2000)
+    answers = [turn["text"] for turn in t.turns if turn["role"] == "tool"]
+    assert answers[0].startswith("error:") and "json" in answers[0].lower()
+    assert "unknown tool 'nope'" in answers[1]
+    assert "expression" in answers[2] and answers[2].startswith("error:")
+    assert "timed out" in answers[3]
+    assert answers[4].startswith("error:") and "zero" in answers[4].lower()
+    assert t.finish_reason == "stop"
+    assert t.metrics["tool/parse_errors"] == 1 and t.metrics["tool/calls"] == 4
+    # errors: unknown tool, bad arguments, timeout; 1/0 is the calculator's own answer, not a failed call
+    assert t.metrics["tool/timeouts"] == 1 and t.metrics["tool/errors"] == 3 and t.metrics["tool/unknown/calls"] == 1
+
+
+def test_too_many_calls_and_long_answers_are_cut(tokenizer):
+    two = CALL % "2**300" + CALL % "1+1"
+    [t], _, _ = run(tokenizer, {0: [two, "ok"]}, max_tool_response_length=30, max_tokens=400)
+    first, refused = [turn["text"] for turn in t.turns if turn["role"] == "tool"]
+    assert len(first) == 30 and "truncated" in first
+    assert "at most 1 tool calls per turn" in refused
+    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "left").endswith("z")
+    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "right").startswith("a")
+
+
+def test_samples_waiting_for_tools_overlap_the_others_generation(tokenizer):
+    """Sample 0's tool takes 0.3 s; meanwhile sample 1 goes on through several turns (batched calls of 1)."""
+
+    class Slow(BaseTool):
+        @classmethod
+        def default_schema(cls):
+            return ToolSchema(function={"name": "slow", "description": "slow",
+                                        "parameters": {"type": "object", "properties": {}}})
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            await asyncio.sleep(0.3)
+            return ToolResponse("slow answer")
+
+    slow = '<tool_call>{"name": "slow", "arguments": {}}</tool_call>'
+    [a, b], script, _ = run(tokenizer, {0: [slow, "done"], 1: [CALL % "1+1"] * 3 + ["done"]},
+                            tools={"slow": Slow()}, max_assistant_turns=10, max_user_turns=10, max_tokens=400)
+    assert a.finish_reason == b.finish_reason == "stop" and b.num_turns == 4
+    assert script.batches[0] == 2 and script.batches.count(1) >= 3  # sample 1's turns ran while 0 waited
+
+
+def test_engine_failure_reaches_every_trajectory():
+    def broken(prompt_ids, params):
+        raise RuntimeError("engine died")
+
+    async def main():
+        engine = BatchedEngine(broken, SamplingParams())
+        server = asyncio.create_task(engine.serve())
+        with pytest.raises(RuntimeError, match="engine died"):
+            await asyncio.gather(engine.generate([1], 4), engine.generate([2], 4))
+        engine.close()
+        await server
+
+    asyncio.run(main())
