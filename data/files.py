@@ -58,6 +58,8 @@ class Example:
     ability: str
     index: int  # row index in its source (file, hub split or generator)
     extra: dict[str, Any] = field(default_factory=dict)  # other extra_info keys of verl-schema input
+    agent_name: str | None = None  # the RL row's agent loop (stages/agent); None: single_turn
+    sft_turns: list[dict[str, str]] | None = None  # multi-turn SFT target: assistant/tool messages after the prompt
 
 
 @dataclass

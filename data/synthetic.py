@@ -18,10 +18,22 @@ validation never share a question. Repeated entries in `operators` are ignored.
 
 `shortcut_fraction` > 0 adds SFT-only rows that answer with `#### N` and no work (`shortcut_copies`); the
 demo uses it so that RL has a behaviour to learn (see README, "make demo").
+
+`tool_call_fraction` > 0 makes it the calculator task (recipes/tool_calc.yaml): data_source
+`synthetic/calculator` (scored on the final `#### N` alone), RL rows on the `tool_agent` loop with the
+`calculator` tool, and SFT rows of two kinds: that share shows the call, the tool's answer and `#### N`
+
+    assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "347 * 29"}}</tool_call>
+    tool:      10063
+    assistant: #### 10063
+
+and the rest answer `#### N` directly, which a tiny model gets wrong for large operands: RL can learn that
+calling the tool pays.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, replace
 
@@ -29,6 +41,8 @@ from data.files import Example, Splits
 from infra.config import DataConfig, SyntheticTaskConfig
 
 DATA_SOURCE = "synthetic/arithmetic"
+TOOL_DATA_SOURCE = "synthetic/calculator"
+TOOL_LOOP = "tool_agent"
 APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -128,6 +142,8 @@ def to_example(problem: Problem, index: int) -> Example:
 def load_synthetic(cfg: DataConfig, seed: int) -> Splits:
     """source=synthetic: generated problems (no rows to skip)."""
     train, validation = generate(cfg.synthetic, seed)
+    if cfg.synthetic.tool_call_fraction > 0:
+        return calculator_splits(train, validation, cfg.synthetic.tool_call_fraction, seed)
     examples = [to_example(p, i) for i, p in enumerate(train)]
     return Splits(
         train=examples,
@@ -146,3 +162,27 @@ def shortcut_copies(train: list[Example], fraction: float, seed: int) -> list[Ex
     while len(order) < count:
         order += rng.sample(range(len(train)), len(train))
     return [replace(train[i], response=f"#### {train[i].ground_truth}") for i in order[:count]]
+
+
+def calculator_call(problem: Problem) -> str:
+    arguments = json.dumps({"expression": expression(problem.operands, problem.operators)})
+    return f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+
+
+def calculator_example(problem: Problem, index: int, with_call: bool) -> Example:
+    """A row of the calculator task; `with_call`: its SFT target is the conversation with the tool."""
+    answer = f"#### {problem.answer}"
+    turns = None
+    if with_call:
+        turns = [{"role": "assistant", "content": calculator_call(problem)},
+                 {"role": "tool", "content": str(problem.answer)}, {"role": "assistant", "content": answer}]
+    return replace(to_example(problem, index), data_source=TOOL_DATA_SOURCE, response=answer, answer=answer,
+                   agent_name=TOOL_LOOP, sft_turns=turns,
+                   extra={"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": str(problem.answer)}}}})
+
+
+def calculator_splits(train: list[Problem], validation: list[Problem], fraction: float, seed: int) -> Splits:
+    rng = random.Random(f"tool-{seed}")
+    with_call = set(rng.sample(range(len(train)), round(len(train) * fraction)))
+    return Splits(train=[calculator_example(p, i, i in with_call) for i, p in enumerate(train)],
+                  validation=[calculator_example(p, i, False) for i, p in enumerate(validation)])

@@ -52,6 +52,11 @@ class SyntheticTaskConfig(Section):
         description="Share of SFT rows answering with only '#### N' (no work): extra SFT-only copies of training "
         "problems on top of their worked answers; RL prompts are unchanged.",
     )
+    tool_call_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="> 0: the calculator task (data/synthetic.py): RL rows use the tool_agent loop with the "
+        "calculator, and this share of the SFT rows show the call (the rest answer directly).",
+    )
 
 
 class ColumnMapping(Section):

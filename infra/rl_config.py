@@ -142,6 +142,26 @@ class RewardConfig(_Section):
     reward_model_batch_size: int = Field(16, gt=0, description="Samples per reward model forward pass.")
 
 
+class MultiTurnConfig(_Section):
+    """Agent loops with tools (stages/agent/tool_loop.py); verl's rollout.multi_turn. Rows choose a loop by
+    their `agent_name` column (data.agent_name sets it at data prep)."""
+
+    tool_config_path: str | None = Field(
+        None, description="YAML file of tools in verl's format (class_name, config, tool_schema per tool).")
+    tool_functions: list[str] = Field(
+        default_factory=list, description="Plain Python functions as tools: 'path/file.py:function' entries.")
+    format: str = Field("hermes", description="Tool-call format of the chat template (stages/tools/parsers.py).")
+    max_assistant_turns: int = Field(4, gt=0, description="Model turns per trajectory at most.")
+    max_user_turns: int = Field(4, gt=0, description="Tool (and user) turns per trajectory at most.")
+    max_parallel_calls: int = Field(1, gt=0, description="Tool calls run per model turn; more get an error text.")
+    max_tool_response_length: int = Field(256, gt=0, description="Characters of one tool answer the model sees.")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        "middle", description="Which part of a long tool answer is cut.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool call.")
+    tool_reward_weight: float = Field(
+        1.0, allow_inf_nan=False, description="Weight of the tools' step rewards added to the outcome score.")
+
+
 class RLConfig(_Section):
     enabled: bool = Field(False, description="Run the RL stage after SFT.")
     total_steps: int = Field(20, gt=0, description="Training steps (one batch of prompts each).")
@@ -164,6 +184,7 @@ class RLConfig(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> RLConfig:

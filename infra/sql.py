@@ -4,7 +4,7 @@
 
     python -m infra.sql "SELECT step, avg(score) FROM rollouts WHERE run_id = 'grpo-0' GROUP BY 1 ORDER BY 1"
 
-An in-memory DuckDB gets four views over every run in the store: ``rollouts``, ``metrics``, ``validation``
+An in-memory DuckDB gets five views over every run in the store: ``rollouts``, ``metrics``, ``validation``, ``turns``
 (``run_id VARCHAR, step BIGINT, <file columns>``) and ``evals`` (``run_id VARCHAR, label VARCHAR, ...``),
 each a ``read_parquet`` over the explicit list of the table's files (``{table}/run_id=*/{step|label}=*/
 part-0.parquet``, listed through the store when connecting) with ``hive_partitioning`` (the partition values
@@ -65,7 +65,7 @@ import duckdb
 
 from infra.s3 import limit_httpfs
 from infra.store import ArtifactStore, StoreError
-from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES
+from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES, TURN_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ logger = logging.getLogger(__name__)
 VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("label", "VARCHAR")}
 # Columns of an empty view besides run_id and the partition column (metrics and the pipeline's evals have a
 # fixed schema).
-EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS}
+EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS,
+                 "turns": TURN_COLUMNS}
 FORMATS = ("table", "csv", "json")
 # Files a connection leaves out of its views before giving up: more than a stray bad file is a damaged store.
 MAX_SKIPPED_FILES = 20
@@ -290,7 +291,7 @@ def _open(store_or_root: ArtifactStore | str, endpoint_url: str | None) -> _View
 
 
 def connect(store_or_root: ArtifactStore | str, endpoint_url: str | None = None) -> duckdb.DuckDBPyConnection:
-    """A locked in-memory DuckDB with the views rollouts, metrics, validation and evals over every run in the
+    """A locked in-memory DuckDB with the views rollouts, metrics, validation, turns and evals over every run in the
     store; unreadable files are left out of the views with a warning. Its statements are not checked (use
     query() or read() for SQL from users), nor retried when a file fails only while a query runs."""
     return _open(store_or_root, endpoint_url).con

@@ -2,7 +2,7 @@
 
 Layout (hive partitioning: ``run_id`` and ``step``/``label`` come from the path, never from inside the file)::
 
-    {table}/run_id={run_id}/step={step:08d}/part-0.parquet    table in rollouts, metrics, validation
+    {table}/run_id={run_id}/step={step:08d}/part-0.parquet    table in rollouts, metrics, validation, turns
     evals/run_id={run_id}/label={label}/part-0.parquet         evaluation results of a model, keyed by label
 
 One file per (table, run, step). Writing the same (table, run, step) again replaces that file with one atomic
@@ -28,7 +28,12 @@ from infra.store import ArtifactStore
 
 logger = logging.getLogger(__name__)
 
-STEP_TABLES = ("rollouts", "metrics", "validation")
+STEP_TABLES = ("rollouts", "metrics", "validation", "turns")
+# One row per turn of a multi-turn sample (stages/rl_data.py `turn_rows`); also the columns of an empty `turns`
+# view, so that queries over single-turn runs return no rows instead of failing on a missing column.
+TURN_COLUMNS = {"group_id": "VARCHAR", "sample_index": "BIGINT", "turn": "BIGINT", "role": "VARCHAR",
+                "text": "VARCHAR", "num_tokens": "BIGINT", "tool_name": "VARCHAR", "arguments": "VARCHAR",
+                "error": "BOOLEAN", "timeout": "BOOLEAN", "latency_s": "DOUBLE", "time": "TIMESTAMPTZ"}
 # The pipeline's evaluation rows (stages/evaluate.py `eval_rows`: one per model label x data_source x metric) and
 # their DuckDB types; also the columns of an empty `evals` view, so that a query over a store without
 # evaluations returns no rows instead of failing on a missing column.
@@ -104,6 +109,11 @@ class RunTables:
     def write_rollouts(self, step: int, rows: list[dict]) -> None:
         """One row per sample (group_id, sample_index, prompt, response, score, reward, reward_<name>, ...)."""
         self._write(partition_dir("rollouts", self.run_id, step=step), rows)
+
+    def write_turns(self, step: int, rows: list[dict]) -> None:
+        """One row per turn of each multi-turn sample (TURN_COLUMNS); nothing for single-turn steps."""
+        if rows:
+            self._write(partition_dir("turns", self.run_id, step=step), rows)
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Long format: one row (name, value, time) per metric."""

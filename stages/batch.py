@@ -64,8 +64,10 @@ def to_device(values: dict, device: torch.device) -> dict:
 
 
 def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], rollout_logprobs: list[list[float]],
-                pad_token_id: int, meta: dict[str, list] | None = None) -> Batch:
-    """Pad samples into verl's layout. Every response must have at least one token."""
+                pad_token_id: int, meta: dict[str, list] | None = None,
+                response_masks: list[list[int]] | None = None) -> Batch:
+    """Pad samples into verl's layout. Every response must have at least one token. `response_masks` (multi-turn:
+    0 on tool and user tokens, which stay in `attention_mask`) default to all ones."""
     if any(len(r) == 0 for r in response_ids):
         raise ValueError("every response needs at least one token (max_tokens >= 1)")
     n = len(prompt_ids)
@@ -81,15 +83,21 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
         logprobs[i, : len(response)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention_mask[:, p:].bool()
+    for i, mask in enumerate(response_masks or []):
+        response_mask[i, : len(mask)] &= torch.tensor(mask, dtype=torch.bool)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "response_mask": response_mask, "rollout_logprobs": logprobs}
     return Batch(tensors, dict(meta or {}))
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence scores placed on each sequence's last response token -> (B, R)."""
+    """(B,) sequence scores placed on each sequence's last model token (the last mask-1 position; a multi-turn
+    mask has holes, so not `mask.sum() - 1`) -> (B, R)."""
+    if not bool(response_mask.any(-1).all()):
+        raise ValueError("token_level_scores: a response has no model token (response_mask all False); its score "
+                         "would be lost")
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = response_mask.long().sum(-1) - 1  # (B,)
+    last = response_mask.shape[1] - 1 - response_mask.long().flip(-1).argmax(-1)  # (B,)
     out[torch.arange(len(scores)), last] = scores.float()
     return out
 

@@ -6,8 +6,12 @@
   `prompt` list<struct<role: string, content: string>>, `ability` string,
   `reward_model` struct<style: string ("rule"), ground_truth: string>,
   `extra_info` struct<split: string, index: int64, question: string, answer: string, ...>;
+- an `agent_name` string column (verl's: the row's agent loop, stages/agent) when a recipe sets one; its tools'
+  per-row arguments go in `extra_info.tools_kwargs` (`{tool: {"create_kwargs": {...}}}`);
 - `sft_train.parquet`, `sft_validation.parquet`: `prompt` (same chat list) and `response` string (the
-  train split's rows plus any SFT-only rows of the recipe, e.g. the synthetic task's shortcut answers);
+  train split's rows plus any SFT-only rows of the recipe, e.g. the synthetic task's shortcut answers), and
+  when a recipe has multi-turn targets a `turns` chat list (the assistant and tool messages after the prompt;
+  empty for single-turn rows);
 - `stats.json`, also returned.
 
 Every row is validated and every table built before the first file is written, so a bad row leaves no
@@ -117,15 +121,18 @@ def _cap(examples: list[Example], cap: int | None, key: str) -> tuple[list[Examp
 
 def rl_schema(examples: list[Example]) -> pa.Schema:
     """RL_SCHEMA, with extra_info extended by the keys that verl-schema input passes through (types inferred)."""
+    schema = RL_SCHEMA
+    if any(e.agent_name for e in examples):
+        schema = schema.append(pa.field("agent_name", pa.string()))
     extras = [e.extra for e in examples]
     if not any(extras):
-        return RL_SCHEMA
+        return schema
     try:
         inferred = pa.array(extras).type
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise ValueError(f"extra_info of the input has keys whose types differ between rows: {exc}") from None
     extra_info = pa.struct(EXTRA_INFO_FIELDS + [inferred.field(i) for i in range(inferred.num_fields)])
-    return RL_SCHEMA.set(RL_SCHEMA.get_field_index("extra_info"), pa.field("extra_info", extra_info))
+    return schema.set(schema.get_field_index("extra_info"), pa.field("extra_info", extra_info))
 
 
 def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table:
@@ -136,6 +143,7 @@ def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table
             "ability": e.ability,
             "reward_model": {"style": "rule", "ground_truth": e.ground_truth},
             "extra_info": {**e.extra, "split": split, "index": e.index, "question": e.question, "answer": e.answer},
+            "agent_name": e.agent_name,
         }
         for e in examples
     ]
@@ -143,7 +151,11 @@ def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table
 
 
 def sft_table(examples: list[Example]) -> pa.Table:
-    return pa.Table.from_pylist([{"prompt": e.prompt, "response": e.response} for e in examples], schema=SFT_SCHEMA)
+    if not any(e.sft_turns for e in examples):
+        return pa.Table.from_pylist([{"prompt": e.prompt, "response": e.response} for e in examples],
+                                    schema=SFT_SCHEMA)
+    rows = [{"prompt": e.prompt, "response": e.response, "turns": e.sft_turns or []} for e in examples]
+    return pa.Table.from_pylist(rows, schema=SFT_SCHEMA.append(pa.field("turns", CHAT)))
 
 
 def corpus_texts(out_dir: Path) -> list[str]:
@@ -151,7 +163,8 @@ def corpus_texts(out_dir: Path) -> list[str]:
     out_dir = Path(out_dir)
     texts = [m["content"] for chat in pq.read_table(out_dir / "train.parquet")["prompt"].to_pylist() for m in chat]
     sft = pq.read_table(out_dir / "sft_train.parquet").to_pydict()
-    texts += [m["content"] for chat in sft["prompt"] for m in chat] + sft["response"] + ROLE_NAMES
+    texts += [m["content"] for chat in sft["prompt"] + sft.get("turns", []) for m in chat] + sft["response"]
+    texts += ROLE_NAMES + (["tool"] if "turns" in sft else [])
     return list(dict.fromkeys(texts))
 
 
@@ -168,6 +181,7 @@ class PromptSet:
     data_sources: list[str] = field(default_factory=list)
     ground_truths: list[str] = field(default_factory=list)
     extra_infos: list[dict[str, Any]] = field(default_factory=list)
+    agent_names: list[str] = field(default_factory=list)  # the row's agent loop (stages/agent); column agent_name
     num_filtered: int = 0  # dropped: over max_prompt_length with filter_overlong_prompts
     num_truncated: int = 0  # cut to max_prompt_length by truncation=left|right
 
@@ -198,6 +212,7 @@ def load_prompts(parquet_path: str | Path, tokenizer: PreTrainedTokenizerBase, c
         out.data_sources.append(row["data_source"])
         out.ground_truths.append(row["reward_model"]["ground_truth"])
         out.extra_infos.append(row.get("extra_info") or {})
+        out.agent_names.append(row.get("agent_name") or "single_turn")
     if out.num_filtered:
         logger.warning(
             "%s: dropped %d of %d prompts over data.max_prompt_length=%d (data.filter_overlong_prompts=true)",

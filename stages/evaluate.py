@@ -37,9 +37,11 @@ from pathlib import Path
 import torch
 
 from infra.config import Config
+from stages.agent import Rollout
+from stages.agent.rollout import load_rollout_tools
 from stages.data_prep import load_prompts
 from stages.model.loading import load_model, load_tokenizer
-from stages.rewards.pool import RewardPool, RewardRequest
+from stages.rewards.pool import RewardPool
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.validation import group_metrics
 
@@ -169,28 +171,28 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
         runs.append(SamplingParams(n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
                                    max_tokens=max_new_tokens(cfg), stop_token_ids=stop, seed=cfg.run.seed))
     logger.info("evaluate %s on %d prompts with %s (n=%d)", model_dir, num, engine, ev.n)
-    with eval_workers(cfg, str(model_dir)) as generate:
-        outputs = [generate(prompts.prompt_ids[:num], params) for params in runs]
-    with RewardPool(cfg.rl.reward) as pool:
-        greedy = _score(pool, prompts, outputs[0], tokenizer, sampled=False)
-        sampled = _score(pool, prompts, outputs[1], tokenizer, sampled=True) if ev.n > 1 else []
+    rows = list(range(num))
+    with eval_workers(cfg, str(model_dir)) as generate, RewardPool(cfg.rl.reward) as pool:
+        rollout = Rollout(generate, tokenizer, pool, load_rollout_tools(cfg.rl.multi_turn), cfg.rl.multi_turn)
+        greedy, *sampled = [_samples(rollout, prompts, rows, params, sampled=params.n > 1) for params in runs]
+    sampled = sampled[0] if sampled else []
     scores, counts = score_table(greedy, sampled, ev.n)
     return EvalResult(engine, scores, counts, greedy + sampled)
 
 
-def _score(pool: RewardPool, prompts, outputs: list[RolloutOutput], tokenizer, sampled: bool) -> list[dict]:
-    texts = [tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
-    rows = [o.prompt_index for o in outputs]
-    result = pool.score([RewardRequest(prompts.data_sources[i], text, prompts.ground_truths[i],
-                                       prompts.extra_infos[i]) for i, text in zip(rows, texts)])
-    failed = {k: v for k, v in result.metrics.items() if k in ("reward/errors", "reward/timeouts", "reward/nan") and v}
+def _samples(rollout: Rollout, prompts, rows: list[int], params: SamplingParams, sampled: bool) -> list[dict]:
+    """Generate and score; one dict per response (the eval artifact's samples.jsonl)."""
+    trajectories = rollout.run(prompts, rows, params)
+    scored = rollout.score(prompts, rows, trajectories)
+    failed = {k: v for k, v in scored.result.metrics.items()
+              if k in ("reward/errors", "reward/timeouts", "reward/nan") and v}
     if failed:
-        logger.warning("evaluation: %s of %d responses scored 0 by the reward pool", failed, len(outputs))
-    return [{"prompt_index": i, "sampled": sampled, "data_source": prompts.data_sources[i],
-             "prompt": prompts.prompts[i][-1]["content"], "response": text,
-             "ground_truth": str(prompts.ground_truths[i]), "score": score, "reward_error": error,
-             "finish_reason": o.finish_reason, "response_length": len(o.response_ids)}
-            for i, text, score, error, o in zip(rows, texts, result.scores, result.errors, outputs)]
+        logger.warning("evaluation: %s of %d responses scored 0 by the reward pool", failed, len(trajectories))
+    return [{"prompt_index": t.prompt_index, "sampled": sampled, "data_source": prompts.data_sources[t.prompt_index],
+             "prompt": prompts.prompts[t.prompt_index][-1]["content"], "response": t.text,
+             "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "reward_error": error,
+             "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
+            for t, score, error in zip(trajectories, scored.scores, scored.result.errors)]
 
 
 def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:

@@ -36,22 +36,26 @@ import torch
 from infra.artifacts import ArtifactRef
 from infra.config import Config
 from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
-from infra.trajectories import RunTables
 from infra.tracking import Tracker, progress_bar
+from infra.trajectories import RunTables
+from stages.agent import Rollout, Scored
+from stages.agent.rollout import load_rollout_tools
 from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.model.safe_load import load_state
 from stages.rewards.overlong import overlong_penalty
-from stages.rewards.pool import RewardPool, RewardRequest
+from stages.rewards.pool import RewardPool
 from stages.rl_data import (
     PromptSampler,
     concat_batches,
     data_metrics,
     rollout_batch,
+    rollout_metrics,
     signal_metrics,
     trajectory_rows,
+    turn_rows,
 )
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
@@ -134,6 +138,8 @@ class RLTrainer:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
         self.rewards = RewardPool(self.rl.reward)
+        self.rollout = Rollout(self.engine_generate, self.tokenizer, self.rewards,
+                               load_rollout_tools(self.rl.multi_turn), self.rl.multi_turn)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.reward_metrics: dict[str, float] = {}
@@ -202,6 +208,7 @@ class RLTrainer:
                 metrics.update(self.actor.call_one("sync_weights", self._check_prompts()))
         metrics.update(self.step_metrics(batch, timer))
         self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
+        self.tables.write_turns(step, turn_rows(batch))
         return metrics
 
     # ---- generation and reward ---------------------------------------------------------------------
@@ -227,23 +234,23 @@ class RLTrainer:
         groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
         batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
         means = {k: v / gen for k, v in self.reward_metrics.items() if not k.endswith(COUNTS)}
-        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means, **signal_metrics(generated)}
+        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means, **signal_metrics(generated),
+                       **rollout_metrics(generated)}
 
     def generate(self, indices: list[int], group_prefix: str, seed: int, timer: StepTimer) -> Batch:
         ro = self.rl.rollout
         params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                 max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
-        outputs = self.rollout([self.train.prompt_ids[i] for i in indices], params)
-        texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
-        batch = rollout_batch(self.train, indices, outputs, texts, group_prefix, self.tokenizer.pad_token_id)
+        trajectories = self.rollout.run(self.train, indices, params)
+        batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
         with timer("reward"):
-            self.score(batch)
+            self.score(batch, self.rollout.score(self.train, indices, trajectories))
             if self.rl.algorithm.adv_estimator == "remax":
                 batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
         return batch
 
-    def rollout(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+    def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
         rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
         outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`."""
@@ -256,14 +263,10 @@ class RLTrainer:
         results = self.actor.call_each("generate", calls)[::tp]
         return [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
 
-    def score(self, batch: Batch) -> None:
-        reward = self.rl.reward
-        result = self.rewards.score([
-            RewardRequest(ds, text, gt, extra) for ds, text, gt, extra in zip(
-                batch.meta["data_source"], batch.meta["response"], batch.meta["ground_truth"],
-                batch.meta["extra_info"])
-        ])
-        scores = torch.tensor(result.scores, dtype=torch.float32)
+    def score(self, batch: Batch, scored: Scored) -> None:
+        """The batch's scores (reward function + tools, + the reward model) and rewards (+ overlong penalty)."""
+        reward, result = self.rl.reward, scored.result
+        scores = torch.tensor(scored.scores, dtype=torch.float32)
         if self.reward_model:  # score = rule + weight * rm; the raw RM score is the component "rm"
             rm = self.rm_scores(batch.meta["prompt_row"], batch.meta["response"])
             scores = scores + reward.reward_model_weight * torch.tensor(rm, dtype=torch.float32)
@@ -282,16 +285,12 @@ class RLTrainer:
         """ReMax: each sample's baseline is the score of its prompt's greedy response."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,))
-        outputs = self.rollout([self.train.prompt_ids[i] for i in indices], params)
-        requests = [RewardRequest(self.train.data_sources[indices[o.prompt_index]],
-                                  self.tokenizer.decode(o.response_ids, skip_special_tokens=True),
-                                  self.train.ground_truths[indices[o.prompt_index]],
-                                  self.train.extra_infos[indices[o.prompt_index]]) for o in outputs]
-        greedy = self.rewards.score(requests).scores
+        trajectories = self.rollout.run(self.train, indices, params)
+        greedy = self.rollout.score(self.train, indices, trajectories).scores
         if self.reward_model:
-            rm = self.rm_scores([indices[o.prompt_index] for o in outputs], [r.solution_str for r in requests])
+            rm = self.rm_scores([indices[t.prompt_index] for t in trajectories], [t.text for t in trajectories])
             greedy = [s + self.rl.reward.reward_model_weight * r for s, r in zip(greedy, rm)]
-        by_row = {indices[o.prompt_index]: s for o, s in zip(outputs, greedy)}
+        by_row = {indices[t.prompt_index]: s for t, s in zip(trajectories, greedy)}
         return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
 
     def _varied_groups(self, batch: Batch) -> Batch:
@@ -393,15 +392,13 @@ class RLTrainer:
         num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
         params = replace(params, max_tokens=self.cfg.data.max_response_length,
                          stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
-        outputs = self.rollout(self.val.prompt_ids[:num], params)
-        texts = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
-        i_of = [o.prompt_index for o in outputs]
-        result = self.rewards.score([RewardRequest(self.val.data_sources[i], text, self.val.ground_truths[i],
-                                                   self.val.extra_infos[i]) for i, text in zip(i_of, texts)])
-        return [{"prompt_index": i, "data_source": self.val.data_sources[i], "score": s, "response": text,
-                 "ground_truth": str(self.val.ground_truths[i]), "num_response_tokens": len(o.response_ids),
-                 "finish_reason": o.finish_reason}
-                for i, text, s, o in zip(i_of, texts, result.scores, outputs)]
+        rows = list(range(num))
+        trajectories = self.rollout.run(self.val, rows, params)
+        scores = self.rollout.score(self.val, rows, trajectories).scores
+        return [{"prompt_index": t.prompt_index, "data_source": self.val.data_sources[t.prompt_index], "score": s,
+                 "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),
+                 "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
+                for t, s in zip(trajectories, scores)]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tables.write_metrics(step, metrics)

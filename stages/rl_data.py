@@ -8,15 +8,16 @@ the step number, so a resumed run draws exactly the batches an uninterrupted run
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import torch
 
 from infra.learning_signal import group_signal_metrics
+from stages.agent.trajectory import Trajectory
 from stages.batch import Batch, build_batch
 from stages.core import masked_mean
 from stages.data_prep import PromptSet
-from stages.rollout.base import RolloutOutput
 
 
 class PromptSampler:
@@ -40,25 +41,29 @@ class PromptSampler:
         return self._order(epoch)[offset * self.batch_size : (offset + 1) * self.batch_size]
 
 
-def rollout_batch(prompts: PromptSet, indices: list[int], outputs: list[RolloutOutput], texts: list[str],
-                  group_prefix: str, pad_token_id: int) -> Batch:
-    """A Batch of every sample; `outputs[i].prompt_index` indexes into `indices`."""
-    rows = [indices[o.prompt_index] for o in outputs]
+def rollout_batch(prompts: PromptSet, indices: list[int], trajectories: list[Trajectory], group_prefix: str,
+                  pad_token_id: int) -> Batch:
+    """A Batch of every sample; `trajectories[i].prompt_index` indexes into `indices`."""
+    rows = [indices[t.prompt_index] for t in trajectories]
     meta = {
-        "group_id": [f"{group_prefix}-{o.prompt_index}" for o in outputs],
-        "sample_index": _sample_indices(outputs),
+        "group_id": [f"{group_prefix}-{t.prompt_index}" for t in trajectories],
+        "sample_index": _sample_indices(trajectories),
         "prompt_row": rows,
         "data_source": [prompts.data_sources[r] for r in rows],
         "ground_truth": [prompts.ground_truths[r] for r in rows],
         "extra_info": [prompts.extra_infos[r] for r in rows],
-        "response": texts,
-        "finish_reason": [o.finish_reason for o in outputs],
+        "response": [t.text for t in trajectories],
+        "finish_reason": [t.finish_reason for t in trajectories],
+        "num_turns": [t.num_turns for t in trajectories],
+        "turns": [t.turns for t in trajectories],
+        "rollout_metrics": [t.metrics for t in trajectories],
     }
-    return build_batch([prompts.prompt_ids[r] for r in rows], [o.response_ids for o in outputs],
-                       [o.logprobs for o in outputs], pad_token_id, meta)
+    return build_batch([prompts.prompt_ids[r] for r in rows], [t.response_ids for t in trajectories],
+                       [t.logprobs for t in trajectories], pad_token_id, meta,
+                       [t.response_mask for t in trajectories])
 
 
-def _sample_indices(outputs: list[RolloutOutput]) -> list[int]:
+def _sample_indices(outputs: list[Trajectory]) -> list[int]:
     seen: dict[int, int] = {}
     out = []
     for o in outputs:
@@ -69,18 +74,19 @@ def _sample_indices(outputs: list[RolloutOutput]) -> list[int]:
 
 def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
     """Re-pad samples of several Batches into one (used when dynamic sampling needs more generations)."""
-    prompts, responses, logprobs, meta = [], [], [], {}
+    prompts, responses, logprobs, masks, meta = [], [], [], [], {}
     for b in batches:
-        t = b.tensors
+        t, num_response = b.tensors, b.num_response_tokens
         for i in range(len(b)):
-            prompt = t["input_ids"][i, : -b.num_response_tokens][t["attention_mask"][i, : -b.num_response_tokens] > 0]
-            n = int(b.response_mask[i].sum())
+            prompt = t["input_ids"][i, :-num_response][t["attention_mask"][i, :-num_response] > 0]
+            n = int(t["attention_mask"][i, -num_response:].sum())  # tool tokens too: they are in the response
             prompts.append(prompt.tolist())
-            responses.append(t["input_ids"][i, -b.num_response_tokens :][:n].tolist())
+            responses.append(t["input_ids"][i, -num_response:][:n].tolist())
             logprobs.append(t["rollout_logprobs"][i, :n].tolist())
+            masks.append(b.response_mask[i, :n].long().tolist())
         for k, v in b.meta.items():
             meta.setdefault(k, []).extend(v)
-    batch = build_batch(prompts, responses, logprobs, pad_token_id, meta)
+    batch = build_batch(prompts, responses, logprobs, pad_token_id, meta, masks)
     for key, value in batches[0].tensors.items():  # per-sample values (scores, rewards, baselines)
         if value.dim() == 1:
             batch.tensors[key] = torch.cat([b.tensors[key] for b in batches])
@@ -105,17 +111,49 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
             "group_id": batch.meta["group_id"][i], "sample_index": batch.meta["sample_index"][i],
             "data_source": batch.meta["data_source"][i], "prompt": prompt_texts[i],
             "response": batch.meta["response"][i], "ground_truth": str(batch.meta["ground_truth"][i]),
-            "num_prompt_tokens": int(t["attention_mask"][i].sum() - mask[i].sum()),
+            "num_prompt_tokens": int(t["attention_mask"][i, : -batch.num_response_tokens].sum()),
             "num_response_tokens": int(mask[i].sum()), "score": float(t["scores"][i]),
             "reward": float(t["rewards"][i]), "advantage": columns["advantages"][i],
             "old_logprob_mean": columns["old_logprobs"][i], "ref_logprob_mean": columns["ref_logprobs"][i],
             "rollout_logprob_mean": columns["rollout_logprobs"][i], "entropy_mean": columns["entropy"][i],
             "kl_mean": columns["kl"][i], "finish_reason": batch.meta["finish_reason"][i],
+            "num_turns": batch.meta["num_turns"][i],
+            "num_tool_calls": int(batch.meta["rollout_metrics"][i].get("tool/calls", 0)),
+            "num_tool_errors": int(batch.meta["rollout_metrics"][i].get("tool/errors", 0)),
             "policy_version": policy_version, "time": now,
         }
         row.update({k: batch.meta[k][i] for k in batch.meta if k.startswith("reward_")})
         rows.append(row)
     return rows
+
+
+def turn_rows(batch: Batch) -> list[dict]:
+    """One row per turn of each multi-turn sample, for the `turns` table (infra.trajectories.TURN_COLUMNS)."""
+    rows = []
+    for i, turns in enumerate(batch.meta["turns"]):
+        for k, turn in enumerate(turns):
+            arguments = turn.get("arguments")
+            rows.append({"group_id": batch.meta["group_id"][i], "sample_index": batch.meta["sample_index"][i],
+                         "turn": k, "role": turn["role"], "text": turn["text"], "num_tokens": turn.get("tokens"),
+                         "tool_name": turn.get("tool_name"),
+                         "arguments": None if arguments is None else json.dumps(arguments, sort_keys=True),
+                         "error": turn.get("error"), "timeout": turn.get("timeout"),
+                         "latency_s": turn.get("latency_s")})
+    return rows
+
+
+def rollout_metrics(batches: list[Batch]) -> dict[str, float]:
+    """Turns and tool calls of every generated sample: sums of the per-sample counts (tool/calls, tool/errors,
+    tool/<name>/timeouts, ...) and num_turns/mean|max; nothing for single-turn samples without tools."""
+    counts: dict[str, float] = {}
+    turns = [n for b in batches for n in b.meta["num_turns"]]
+    for b in batches:
+        for sample in b.meta["rollout_metrics"]:
+            for key, value in sample.items():
+                counts[key] = counts.get(key, 0.0) + value
+    if max(turns, default=1) > 1 or counts:
+        counts.update({"num_turns/mean": sum(turns) / len(turns), "num_turns/max": float(max(turns))})
+    return counts
 
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:

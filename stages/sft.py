@@ -28,6 +28,7 @@ from stages.model.loading import (
     load_model,
     load_tokenizer,
     save_hf_folder,
+    tool_turn_ids,
 )
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.safe_load import load_state
@@ -51,6 +52,7 @@ class Checkpoints(Protocol):
 class SFTExample:
     input_ids: list[int]
     num_prompt_tokens: int
+    loss_mask: list[int] | None = None  # multi-turn: 1 on assistant tokens, 0 on tool tokens (None: all ones)
 
 
 @dataclass
@@ -62,7 +64,8 @@ class SFTResult:
 
 def tokenize_sft(path: Path, tokenizer, cfg: DataConfig) -> list[SFTExample]:
     """Prompt through the chat template + response + EOS; long prompts follow data.* (filter/truncate)."""
-    table = pq.read_table(path, columns=["prompt", "response"]).to_pylist()
+    columns = ["prompt", "response"] + (["turns"] if "turns" in pq.read_schema(path).names else [])
+    table = pq.read_table(path, columns=columns).to_pylist()
     examples, num_filtered, num_cut = [], 0, 0
     for row in table:
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
@@ -71,16 +74,39 @@ def tokenize_sft(path: Path, tokenizer, cfg: DataConfig) -> list[SFTExample]:
                 num_filtered += 1
                 continue
             prompt = _truncate(prompt, cfg)
-        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response, mask = response_ids(tokenizer, row)
         if len(response) > cfg.max_response_length:
             response, num_cut = response[: cfg.max_response_length], num_cut + 1
-        examples.append(SFTExample(prompt + response, len(prompt)))
+            mask = mask and mask[: cfg.max_response_length]
+        examples.append(SFTExample(prompt + response, len(prompt), mask))
     if num_filtered or num_cut:
         logger.warning("%s: %d prompts over data.max_prompt_length dropped, %d responses cut to "
                        "data.max_response_length", path.name, num_filtered, num_cut)
     if not examples:
         raise ValueError(f"{path}: no SFT examples left; raise data.max_prompt_length")
     return examples
+
+
+def response_ids(tokenizer, row: dict) -> tuple[list[int], list[int] | None]:
+    """The target ids of an SFT row and, for a multi-turn row, its loss mask. A multi-turn row's ids are laid out
+    as the tool_agent loop lays out a rollout: each assistant message + EOS (loss), the tool messages between
+    them through the chat template with the next assistant header (no loss)."""
+    turns = row.get("turns") or []
+    if not turns:
+        return tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None
+    ids: list[int] = []
+    mask: list[int] = []
+    tools: list[dict] = []
+    for message in turns:
+        if message["role"] == "tool":
+            tools.append(message)
+            continue
+        if tools:
+            part = tool_turn_ids(tokenizer, tools)
+            ids, mask, tools = ids + part, mask + [0] * len(part), []
+        part = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = ids + part, mask + [1] * len(part)
+    return ids, mask
 
 
 def _truncate(prompt: list[int], cfg: DataConfig) -> list[int]:
@@ -104,6 +130,8 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
         input_ids[i, :n] = torch.tensor(e.input_ids)
         attention_mask[i, :n] = 1
         loss_mask[i, e.num_prompt_tokens : n] = True  # positions holding response tokens
+        if e.loss_mask is not None:  # multi-turn: not the tool tokens between assistant turns
+            loss_mask[i, e.num_prompt_tokens : n] &= torch.tensor(e.loss_mask, dtype=torch.bool)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 

@@ -107,10 +107,17 @@ def _sft_sections(cfg: Config) -> tuple:
     return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
 
 
+def _tool_digests(cfg: Config) -> tuple:
+    """The content of the tool files of rl.multi_turn: its YAML and the files of its function tools."""
+    mt = cfg.rl.multi_turn
+    return (content_digest(mt.tool_config_path),
+            *(content_digest(spec.rpartition(":")[0]) for spec in mt.tool_functions if ":" in spec))
+
+
 def _rl_sections(cfg: Config) -> tuple:
     reward = cfg.rl.reward
     return (cfg.rl, cfg.model, cfg.data, str(cfg.run.seed), content_digest(reward.custom_path),
-            content_digest(reward.reward_model_path))
+            content_digest(reward.reward_model_path), *_tool_digests(cfg))
 
 
 def _merge_sections(cfg: Config) -> tuple:
@@ -126,7 +133,7 @@ def _eval_sections(cfg: Config) -> tuple:
     return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
             cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
             reward.custom_path, reward.custom_function, str(reward.timeout_s), str(cfg.run.seed),
-            content_digest(reward.custom_path))
+            content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
 
 
 def open_store(cfg: Config) -> ArtifactStore:

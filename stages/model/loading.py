@@ -90,3 +90,17 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) ->
     """Token ids of `messages` through the chat template, ending with the assistant turn's header."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tool_turn_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of tool messages plus the next assistant header, as the chat template renders them after an
+    assistant turn that ended with the end-of-turn token (which the model's own ids already hold)."""
+    base = [{"role": "user", "content": "x"}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(base + messages, add_generation_prompt=True, tokenize=False)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders earlier messages differently once tool messages follow; "
+                         "multi-turn rollouts need a template that only appends")
+    eos = tokenizer.eos_token or ""
+    separator = before[before.rindex(eos) + len(eos):] if eos and eos in before else ""
+    return tokenizer(separator + after[len(before):], add_special_tokens=False)["input_ids"]

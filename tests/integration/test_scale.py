@@ -23,8 +23,9 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import RayConfig, load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
+from stages.agent import Trajectory
 from stages.batch import Batch, balance_batch, build_batch, gather_rows, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, compute_advantages
 from stages.data_prep import load_prompts
@@ -32,7 +33,6 @@ from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.fsdp import hf_weights, read_checkpoint_model_state
 from stages.model.loading import load_model, load_tokenizer
 from stages.rl_data import rollout_batch
-from stages.rollout.base import RolloutOutput
 from stages.workers.actor_update import balanced_groups
 from tests.conftest import TINY_OVERRIDES
 from tests.tolerances import REORDER_RTOL, assert_close_reordered
@@ -112,9 +112,9 @@ def a_batch(cfg, model_dir, data_dir) -> tuple[Batch, list[list[int]]]:
             finish = "length" if length == cfg.data.max_response_length else "stop"
             if finish == "stop":
                 ids[-1] = tokenizer.eos_token_id
-            outputs.append(RolloutOutput(p, ids, [-rng.random() for _ in ids], finish))
-    texts = [tokenizer.decode(o.response_ids) for o in outputs]
-    batch = rollout_batch(prompts, indices, outputs, texts, "t", tokenizer.pad_token_id)
+            outputs.append(Trajectory(p, ids, [1] * length, [-rng.random() for _ in ids], finish,
+                                      tokenizer.decode(ids)))
+    batch = rollout_batch(prompts, indices, outputs, "t", tokenizer.pad_token_id)
     batch.meta["row"] = list(range(len(batch)))
     scores = torch.tensor([float(rng.random() < 0.4) for _ in range(len(batch))])
     batch.tensors["scores"] = batch.tensors["rewards"] = scores

@@ -26,12 +26,16 @@ def touch_later(path):
 
 def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     data, reward, model = tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "model"
+    tools, functions = tmp_path / "tools.yaml", tmp_path / "my_tools.py"
+    tools.write_text("tools: []\n")
+    functions.write_text("def lookup(key: str) -> str:\n    return key\n")
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     reward.write_text("def compute_score(*a):\n    return 1.0\n")
     model.mkdir()
     (model / "config.json").write_text("{}")
     cfg = load_config(None, ["data.source=file", f"data.path={data}", f"rl.reward.custom_path={reward}",
-                             f"model.path={model}"])
+                             f"model.path={model}", f"rl.multi_turn.tool_config_path={tools}",
+                             f"rl.multi_turn.tool_functions=['{functions}:lookup']"])
     before = keys(cfg, str(model))
     assert keys(cfg, str(model)) == before  # stable
 
@@ -50,6 +54,13 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     touch_later(model / "config.json")
     after_model = keys(cfg, str(model))
     assert {k for k in before if after_reward[k] != after_model[k]} == {"base", "sft", "rl", "eval"}
+
+    changes = ((tools, "tools: []\n# changed\n"), (functions, "def lookup(key: str) -> str:\n    return ''\n"))
+    for tool_file, text in changes:
+        previous = keys(cfg, str(model))
+        tool_file.write_text(text)
+        touch_later(tool_file)
+        assert {k for k, v in keys(cfg, str(model)).items() if v != previous[k]} == {"rl", "eval"}, tool_file
 
 
 def test_hub_ids_and_artifact_refs_are_taken_as_they_are():

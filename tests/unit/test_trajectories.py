@@ -46,6 +46,8 @@ def write_all_tables(tables: RunTables, steps: range) -> None:
         tables.write_rollouts(step, rollout_rows(step, [1.0]))
         tables.write_metrics(step, {"actor/pg_loss": 0.1 * step})
         tables.write_validation(step, [{"score": 1.0, "prompt": "p"}])
+        tables.write_turns(step, [{"group_id": f"{step}-0", "sample_index": 0, "turn": 0, "role": "assistant",
+                                   "text": "call", "num_tokens": 3}])
 
 
 @pytest.fixture
@@ -93,8 +95,8 @@ def test_truncate_after_removes_later_steps_of_that_run_only(local):
     write_all_tables(a, range(1, 4))
     write_all_tables(b, range(1, 4))
     a.write_evals("final", [{"accuracy": 1.0}])
-    assert a.truncate_after(1) == 6  # steps 2, 3 x (rollouts, metrics, validation)
-    for table in ("rollouts", "metrics", "validation"):
+    assert a.truncate_after(1) == 8  # steps 2, 3 x (rollouts, metrics, validation, turns)
+    for table in ("rollouts", "metrics", "validation", "turns"):
         assert a.steps(table) == [1] and b.steps(table) == [1, 2, 3]
         got = sql.query(local, f"SELECT run_id, max(step) AS last FROM {table} GROUP BY 1 ORDER BY 1")
         assert got == [{"run_id": "run-a", "last": 1}, {"run_id": "run-b", "last": 3}]
@@ -206,3 +208,13 @@ def test_cli_csv_json_and_errors(local):
     assert done.returncode == 1 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no_such_column" in lines[0]
+
+
+def test_single_turn_runs_write_no_turns_and_the_view_is_empty_but_typed(local):
+    tables = RunTables(local, "run-a")
+    tables.write_rollouts(1, rollout_rows(1, [1.0]))
+    tables.write_turns(1, [])
+    assert local.glob("turns/**") == []
+    assert sql.query(local, "SELECT count(*) AS n FROM turns") == [{"n": 0}]
+    columns = {r["column_name"]: r["column_type"] for r in sql.query(local, "DESCRIBE turns")}
+    assert columns["role"] == "VARCHAR" and columns["turn"] == "BIGINT" and columns["step"] == "BIGINT"
