@@ -67,8 +67,12 @@ def partition_dir(table: str, run_id: str, step: int | None = None, label: str |
     return f"{table}/run_id={_check_segment('run_id', run_id)}/step={step:08d}"
 
 
-def rows_to_table(rows: list[dict], now: datetime) -> pa.Table:
-    """Rows (dicts of plain values) -> a pyarrow table; keys = union over rows; all-None -> float64; +time."""
+ARROW_TYPES = {"VARCHAR": pa.string(), "BIGINT": pa.int64(), "DOUBLE": pa.float64(), "BOOLEAN": pa.bool_()}
+
+
+def rows_to_table(rows: list[dict], now: datetime, types: dict[str, str] | None = None) -> pa.Table:
+    """Rows (dicts of plain values) -> a pyarrow table; keys = union over rows; all-None -> float64 unless `types`
+    (column -> DuckDB type name) declares the column's type; +time."""
     if not all(isinstance(row, dict) for row in rows):
         bad = next(row for row in rows if not isinstance(row, dict))
         raise ValueError(f"rows must be dicts of plain values; got a {type(bad).__name__}: {bad!r:.200}")
@@ -80,7 +84,7 @@ def rows_to_table(rows: list[dict], now: datetime) -> pa.Table:
     columns = {}
     for name in names:
         try:
-            column = pa.array([row.get(name) for row in rows])
+            column = pa.array([row.get(name) for row in rows], type=ARROW_TYPES.get((types or {}).get(name)))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise ValueError(f"column {name!r}: cannot build one parquet column from its values ({exc}); "
                              "give every row the same plain type (int, float, str, bool, datetime)") from exc
@@ -112,8 +116,8 @@ class RunTables:
 
     def write_turns(self, step: int, rows: list[dict]) -> None:
         """One row per turn of each multi-turn sample (TURN_COLUMNS); nothing for single-turn steps."""
-        if rows:
-            self._write(partition_dir("turns", self.run_id, step=step), rows)
+        if rows:  # typed: a step whose tool_name or arguments are all None must not make them DOUBLE
+            self._write(partition_dir("turns", self.run_id, step=step), rows, TURN_COLUMNS)
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Long format: one row (name, value, time) per metric."""
@@ -163,7 +167,7 @@ class RunTables:
             logger.info("run %s: removed %d table partitions after step %d", self.run_id, len(relpaths), step)
         return len(relpaths)
 
-    def _write(self, folder: str, rows: list[dict]) -> None:
+    def _write(self, folder: str, rows: list[dict], types: dict[str, str] | None = None) -> None:
         relpath = f"{folder}/{PART}"
         if not rows:
             # A parquet file needs columns; "no rows" for this step = no file, replacing any earlier one.
@@ -172,4 +176,4 @@ class RunTables:
                 self.store.fs.rm_file(self.store.url(relpath))
             logger.warning("%s: no rows to write%s", relpath, "; removed the earlier file" if existed else "")
             return
-        self.store.write_bytes(relpath, to_parquet_bytes(rows_to_table(rows, datetime.now(timezone.utc))))
+        self.store.write_bytes(relpath, to_parquet_bytes(rows_to_table(rows, datetime.now(timezone.utc), types)))

@@ -321,7 +321,8 @@ def report_task(cfg: Config, rl_checkpoint: str, ctx: RunContext) -> str:
     alerts = "".join(f"> **Warning:** {text}\n\n" for text in warnings)
     create_markdown_artifact(
         key="run-report", description=f"HTML run report of {rl_run_id}",
-        markdown=f"# Run report\n\n{alerts}[{rl_run_id}/report.html]({link}): reward, validation accuracy, KL, "
+        markdown=f"# Run report\n\n{alerts}[runs/{ctx.run_id}/report.html]({link}) of RL run `{rl_run_id}`: reward, "
+                 "validation accuracy, KL, "
                  "entropy, response length, gradient norm and timing per step; base/SFT/RL evaluation; best and worst "
                  f"rollouts.\n\nFlow run `{ctx.run_id}`, store `{cfg.storage.root}`.\n")
     get_run_logger().info("run report: %s", url)

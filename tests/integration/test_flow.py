@@ -73,7 +73,7 @@ def test_flow_runs_then_hits_the_cache(post_train, tmp_path, capfd):
     assert checkpoint.metadata["model_config"]["lora"] is None
     assert rl.inputs["base_model"] == str(sft.ref) == checkpoint.inputs["init_model"]
     assert first["results"]["rl"]["model"] == str(rl.ref)
-    _check_published(tmp_path, first)
+    _check_published(tmp_path, first, third)
     run_dir = tmp_path / "out" / "runs" / first["run_id"]
     assert (run_dir / "config.yaml").read_text().count("storage:") == 1
     metrics = [json.loads(line) for line in (run_dir / f"{first['run_id']}-sft.metrics.jsonl").open()]
@@ -101,8 +101,9 @@ def _check_quiet_console(console: str, run_dir: Path) -> None:
         assert ":actor_name:EvalWorker" in (run_dir / "workers" / f"evaluate-{label}.log").read_text()
 
 
-def _check_published(tmp_path, run: dict) -> None:
-    """The run's comparison is in the evals view and in Prefect's table and markdown artifacts."""
+def _check_published(tmp_path, run: dict, last: dict) -> None:
+    """The run's comparison is in the evals view and in Prefect's table and markdown artifacts; each flow run has
+    its own report, and Prefect's latest run-report artifact links the last run's."""
     from prefect.artifacts import Artifact
 
     rows = query(str(tmp_path / "store"), "SELECT label, metric, value, model, engine FROM evals WHERE run_id = "
@@ -117,7 +118,8 @@ def _check_published(tmp_path, run: dict) -> None:
     assert "| data_source | metric | base | sft | rl |" in markdown and run["results"]["rl"]["model"] in markdown
     report = Path(run["report"])  # the RL run's HTML report, in the store, linked from a markdown artifact
     assert report.is_relative_to(tmp_path / "store") and "<img" in report.read_text()
-    assert report.as_uri() in Artifact.get("run-report").data
+    assert report.parent.name == run["run_id"] and Path(last["report"]).parent.name == last["run_id"]
+    assert Path(last["report"]).as_uri() in Artifact.get("run-report").data
 
 
 def test_bad_config_fails_before_any_stage(post_train, tmp_path):

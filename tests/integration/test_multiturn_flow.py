@@ -7,9 +7,12 @@ steps resumes without losing or repeating a trajectory."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infra.sql import query
+from tests.integration.test_tool_server import ToolServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -17,7 +20,7 @@ TOOL_TASK = [
     "data.synthetic.num_train=256", "data.synthetic.num_validation=16", "data.synthetic.num_terms=2",
     "data.synthetic.max_operand=99", "data.synthetic.operators=['*']", "data.synthetic.tool_call_fraction=1.0",
     "data.max_prompt_length=48", "data.max_response_length=96", "model.tiny.hidden_size=128",
-    "model.tiny.intermediate_size=256", "sft.epochs=3", "sft.train_batch_size=16", "sft.micro_batch_size=16",
+    "model.tiny.intermediate_size=256", "sft.epochs=8", "sft.train_batch_size=16", "sft.micro_batch_size=16",
     "sft.optim.lr=2e-3", "rl.enabled=true", "rl.train_batch_size=4", "rl.rollout.n=4",
     "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.test_freq=2", "rl.save_freq=1",
     "rl.max_validation_samples=8", "rl.reward.num_workers=1", "rl.rollout.engine=vllm", "evaluate.engine=vllm",
@@ -47,3 +50,59 @@ def test_tool_agent_through_the_flow(tmp_path):
     # token in, token out: the trainer recomputes the engine's logprobs on the model's tokens only
     assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
 
+
+
+SANDBOX_CALCULATOR = """
+from stages.tools.sandbox import Sandbox, SandboxConfig
+
+SANDBOX = Sandbox(SandboxConfig(timeout_s=5))
+
+
+async def calculator(expression: str) -> str:
+    \"\"\"Evaluate an arithmetic expression in a sandboxed Python process.
+
+    Args:
+        expression: The expression, e.g. '12*(3+4)'.
+    \"\"\"
+    result = await SANDBOX.run(f"print({expression})")
+    return result.text(SANDBOX.config).strip()
+"""
+REMOTE_TOOLS = """
+tools:
+  - class_name: stages.tools.remote.RemoteTool
+    config: {{url: "{url}", timeout_s: 20, max_attempts: 3}}
+    tool_schema:
+      type: function
+      function:
+        name: calculator
+        description: Evaluate an arithmetic expression.
+        parameters:
+          type: object
+          properties:
+            expression: {{type: string, description: "The expression."}}
+          required: [expression]
+"""
+
+
+def test_tool_agent_with_the_tool_server_and_the_sandbox(tmp_path):
+    from flows.post_train import post_train
+
+    (tmp_path / "server").mkdir()
+    server = ToolServer(tmp_path / "server", call_timeout_s=10, files={
+        "sandbox_calculator.py": SANDBOX_CALCULATOR,
+        "tools.yaml": "tools:\n  - class_name: sandbox_calculator.py:calculator\n"}).start()
+    tools, root = tmp_path / "remote_tools.yaml", str(tmp_path / "store")
+    try:
+        tools.write_text(REMOTE_TOOLS.format(url=server.url))
+        result = post_train(None, [*TOOL_TASK, f"storage.root={root}", f"run.output_dir={tmp_path / 'out'}",
+                                   "rl.total_steps=1", f"rl.multi_turn.tool_config_path={tools}",
+                                   "rl.val_before_train=false", "evaluate.max_samples=4"])
+    finally:
+        server.stop()
+    assert result["stages"]["rl"] == "Completed"
+    calls = query(root, "SELECT arguments, text, error FROM turns WHERE role = 'tool' AND tool_name = 'calculator'")
+    assert calls, "no tool call reached the server"
+    good = [c for c in calls if not c["error"] and c["text"].lstrip("-").isdigit()]
+    assert good, calls[:3]
+    expression = json.loads(good[0]["arguments"])["expression"]  # computed in the sandbox, answered over HTTP
+    assert set(expression) <= set("0123456789 *") and int(good[0]["text"]) == eval(expression)  # noqa: S307

@@ -70,9 +70,10 @@ tools:
 class ToolServer:
     """`python -m stages.tools.server` in a subprocess; `url` once it prints its address."""
 
-    def __init__(self, folder: Path, port: int = 0, call_timeout_s: float = 0.5):
-        (folder / "user_tools.py").write_text(USER_TOOLS)
-        (folder / "tools.yaml").write_text(TOOLS_YAML)
+    def __init__(self, folder: Path, port: int = 0, call_timeout_s: float = 0.5, files: dict[str, str] | None = None):
+        """files: name -> text written into `folder` (default: this module's user_tools.py and tools.yaml)."""
+        for name, text in (files or {"user_tools.py": USER_TOOLS, "tools.yaml": TOOLS_YAML}).items():
+            (folder / name).write_text(text)
         self.folder, self.port, self.call_timeout_s = folder, port, call_timeout_s
         self.process: subprocess.Popen | None = None
         self.url = ""

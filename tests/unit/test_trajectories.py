@@ -218,3 +218,12 @@ def test_single_turn_runs_write_no_turns_and_the_view_is_empty_but_typed(local):
     assert sql.query(local, "SELECT count(*) AS n FROM turns") == [{"n": 0}]
     columns = {r["column_name"]: r["column_type"] for r in sql.query(local, "DESCRIBE turns")}
     assert columns["role"] == "VARCHAR" and columns["turn"] == "BIGINT" and columns["step"] == "BIGINT"
+
+
+def test_turn_columns_keep_their_types_when_a_step_has_only_nones(local):
+    tables = RunTables(local, "run-a")
+    tables.write_turns(1, [{"group_id": "1-0", "sample_index": 0, "turn": 1, "role": "tool", "text": "error: bad json",
+                            "tool_name": None, "arguments": None, "error": True, "latency_s": 0.0}])
+    assert sql.query(local, "SELECT count(*) AS n FROM turns WHERE tool_name = 'calculator'") == [{"n": 0}]
+    columns = {r["column_name"]: r["column_type"] for r in sql.query(local, "DESCRIBE turns")}
+    assert columns["tool_name"] == columns["arguments"] == "VARCHAR" and columns["error"] == "BOOLEAN"
