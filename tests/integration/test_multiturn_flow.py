@@ -2,8 +2,9 @@
 data prep writes tool rows, SFT learns the call format from conversations, GRPO runs the tool_agent loop with
 the real calculator (token in and token out: the trainer's logprobs of the model's tokens match the engine's,
 which holds only if the trainer sees exactly the ids the engine generated and the mask covers exactly the
-model's tokens), every turn lands in the `turns` table, evaluation uses the same loop, and a rerun with more
-steps resumes without losing or repeating a trajectory."""
+model's tokens), every turn lands in the `turns` table, and evaluation uses the same loop. The second test runs
+GRPO with the calculator served by the HTTP tool server (started here on 127.0.0.1) and computed in the
+sandboxed Python tool's process."""
 
 from __future__ import annotations
 
