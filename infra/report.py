@@ -84,7 +84,18 @@ def _rollout_extremes(con, run_id: str, k: int) -> tuple[list[dict], list[dict]]
     best, worst = found
     keys = {tuple(r.get(c) for c in ("step", "group_id", "sample_index")) for r in best}
     worst = [r for r in worst if tuple(r.get(c) for c in ("step", "group_id", "sample_index")) not in keys]
+    for row in best + worst[:k]:
+        row["turns"] = _turns(con, run_id, row)
     return best, worst[:k]
+
+
+def _turns(con, run_id: str, row: dict) -> list[dict]:
+    """The turns of a multi-turn rollout (role, tool_name, text, error), in order; [] for single-turn ones."""
+    if not {"step", "group_id", "sample_index"} <= row.keys():
+        return []
+    return _rows(con, "SELECT turn, role, tool_name, text, error FROM turns WHERE run_id = ? AND step = ? AND "
+                      "group_id = ? AND sample_index = ? ORDER BY turn",
+                 [run_id, row["step"], row["group_id"], row["sample_index"]])
 
 
 def _read_run(con, root: str, run_id: str, evals_run_id: str | None, num_rollouts: int) -> RunData:

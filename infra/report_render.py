@@ -58,6 +58,9 @@ PANELS = (
           band=("response_length/min", "response_length/max")),
     Panel("Gradient norm", "L2 norm before clipping", ("actor/grad_norm", "critic/grad_norm"),
           "actor/grad_norm with the actor update, critic/grad_norm with a critic (PPO/GAE)"),
+    Panel("Tool use", "per step (count; turns per sample)", ("tool/calls", "tool/errors", "tool/parse_errors",
+                                                             "tool/timeouts", "num_turns/mean"),
+          "logged every RL step by multi-turn agent loops (rl.multi_turn, agent_name tool_agent)"),
     Panel("Timing per phase", "seconds (log scale)", ("timing_s/",), "logged every RL step by StepTimer",
           log_y=True, wide=True),
 )
@@ -233,10 +236,19 @@ def rollout_cards(title: str, rows: list[dict]) -> str:
         facts = " · ".join(f"{k} <b>{html.escape(_fmt(r[k]))}</b>" for k in
                            ("step", "score", "reward", "advantage", "num_response_tokens", "finish_reason",
                             "ground_truth", "group_id") if k in r)
+        shown = ("prompt", "response") if not r.get("turns") else ("prompt",)
         texts = "".join(f"<div class='label'>{k}</div><pre>{html.escape(_clip(r.get(k)))}</pre>"
-                        for k in ("prompt", "response") if k in r)
+                        for k in shown if k in r)
+        texts += "".join(f"<div class='label'>turn {t['turn']}: {html.escape(_turn_label(t))}</div>"
+                         f"<pre>{html.escape(_clip(t['text']))}</pre>" for t in r.get("turns") or [])
         cards.append(f'<div class="card"><div class="facts">{facts}</div>{texts}</div>')
     return f"<h3>{html.escape(title)}</h3>" + ("".join(cards) or "<p class='note'>No rollouts.</p>")
+
+
+def _turn_label(turn: dict) -> str:
+    if turn["role"] != "tool":
+        return turn["role"]
+    return f"tool {turn.get('tool_name') or '(not run)'}" + (" (error)" if turn.get("error") else "")
 
 
 def _clip(text) -> str:

@@ -44,7 +44,8 @@ def step_metrics(step: int, with_kl: bool) -> dict[str, float]:
                "actor/entropy": 1.5 - 0.1 * step, "actor/grad_norm": 0.8 / step,
                "response_length/mean": 4.5, "response_length/min": 3, "response_length/max": 6,
                "timing_s/step": 3.0, "timing_s/gen": 1.5, "timing_s/reward": 0.2, "timing_s/update_actor": 1.0,
-               "timing_s/old_log_prob": 0.3, "timing_s/sync": 0.1}
+               "timing_s/old_log_prob": 0.3, "timing_s/sync": 0.1, "tool/calls": 2.0 * step, "tool/errors": 1.0,
+               "num_turns/mean": 1.0 + 0.25 * step}
     if with_kl:
         metrics.update({"actor/ppo_kl": 0.001 * step, "actor/kl_loss": 0.002 * step})
     return metrics
@@ -259,3 +260,21 @@ def test_no_signal_warning_is_a_visible_box(local):
     write_run(local, "rl-quiet")
     quiet = report.build_report(local, "rl-quiet")
     assert quiet.warnings == [] and 'role="alert"' not in quiet.html
+
+
+def test_multi_turn_rollouts_show_their_turns(local):
+    write_run(local)
+    best = rollout_rows(4)[0]
+    RunTables(local, RUN).write_turns(4, [
+        {"group_id": best["group_id"], "sample_index": best["sample_index"], "turn": 0, "role": "assistant",
+         "text": '<tool_call>{"name": "calculator"}</tool_call>', "num_tokens": 9},
+        {"group_id": best["group_id"], "sample_index": best["sample_index"], "turn": 1, "role": "tool",
+         "text": "84", "tool_name": "calculator", "error": False},
+        {"group_id": best["group_id"], "sample_index": best["sample_index"], "turn": 2, "role": "assistant",
+         "text": "#### 84", "num_tokens": 4}])
+    data = report.read_run(local, RUN, num_rollouts=3)
+    assert [t["role"] for t in data.best[0]["turns"]] == ["assistant", "tool", "assistant"]
+    assert all(not r["turns"] for r in data.best[1:] + data.worst)
+    page = report_render.render(data, "t", None)
+    assert "turn 1: tool calculator" in page and "turn 2: assistant" in page and "#### 84" in page
+    assert any(alt.startswith("Tool use:") and "tool/calls" in alt for alt in images(page))
