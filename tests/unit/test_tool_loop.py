@@ -167,3 +167,33 @@ def test_engine_failure_reaches_every_trajectory():
         await server
 
     asyncio.run(main())
+
+
+def test_tool_rewards_add_to_the_outcome_score(tokenizer, tiny_config):
+    class Scored(BaseTool):
+        @classmethod
+        def default_schema(cls):
+            return ToolSchema(function={"name": "scored", "description": "rewards each call",
+                                        "parameters": {"type": "object", "properties": {}}})
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            return ToolResponse("ok", reward=0.25)
+
+        async def calc_reward(self, instance_id):
+            return 1.0
+
+    call = '<tool_call>{"name": "scored", "arguments": {}}</tool_call>'
+    [t], _, _ = run(tokenizer, {0: [call, call, "#### 4"]}, tools={"scored": Scored()}, max_tokens=500,
+                    tool_reward_weight=2.0)
+    assert t.tool_reward == 2.0 * (0.25 + 0.25 + 1.0)  # weight x (two step rewards + calc_reward)
+
+    from stages.agent import Rollout
+    from stages.data_prep import PromptSet
+    from stages.rewards.pool import RewardPool
+
+    prompts = PromptSet([[1]], [[{"role": "user", "content": "q"}]], ["synthetic/calculator"], ["4"], [{}],
+                        ["tool_agent"])
+    with RewardPool(tiny_config.rl.reward) as pool:
+        scored = Rollout(None, tokenizer, pool).score(prompts, [0], [t])
+    assert scored.result.scores == [1.0] and scored.scores == [1.0 + 3.0]
+    assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
