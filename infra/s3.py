@@ -76,7 +76,7 @@ def s3_filesystem(endpoint_url: str | None, limits: StorageConfig) -> S3FileSyst
     session = functools.partial(_DeadlineSession, timeout_s=limits.timeout_s,
                                 upload_bytes_per_s=limits.min_upload_mib_s * 2**20)
     config = {"connect_timeout": limits.timeout_s, "read_timeout": limits.timeout_s, "http_session_cls": session,
-              "retries": {"max_attempts": limits.max_attempts, "mode": "standard"}}
+              "retries": {"total_max_attempts": limits.max_attempts, "mode": "standard"}}
     fs = _S3FileSystem(endpoint_url=endpoint_url, skip_instance_cache=True, use_listings_cache=False,
                        config_kwargs=config)
     fs.retries = 1  # one attempt per s3fs call: botocore's retries above are the only ones

@@ -275,6 +275,8 @@ def _lock(con: duckdb.DuckDBPyConnection, files: list[str]) -> None:
 
 def _open(store_or_root: ArtifactStore | str, endpoint_url: str | None) -> _Views:
     store = store_or_root if isinstance(store_or_root, ArtifactStore) else ArtifactStore(store_or_root, endpoint_url)
+    if store.is_remote:
+        store.check()  # a missing bucket or a dead endpoint: one StoreError naming it, before any listing
     # No extension is installed or loaded behind our back; httpfs is loaded explicitly from its file.
     con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
     try:
