@@ -11,7 +11,8 @@ Where the time of a request goes (s3fs -> aiobotocore -> aiohttp), measured with
 - Uploads go in 8 MiB parts (boto3's default) instead of s3fs's 50 MiB: one attempt sends at most 16 MiB
   (a single PUT is used below two parts), which keeps its deadline short.
 - botocore retries a failed attempt (connection refused or dropped, timeout, 5xx, throttling) with jittered
-  exponential backoff, at most ``2**i`` s before attempt ``i + 2``; it is the only retry layer.
+  exponential backoff, at most ``2**i`` s before attempt ``i + 2``; it is the only retry layer. Its config key is
+  ``total_max_attempts`` (attempts in all); botocore's ``max_attempts`` would count retries, one attempt more.
 - s3fs retries on top of that (its ``retries`` loop around each call and again around streamed reads), which
   multiplies the attempts: ``retries = 1`` turns it off.
 
