@@ -11,7 +11,7 @@ A file (or a folder of files) is read in one of two layouts, detected from its c
   SFT response column (default: the answer) and an optional data_source column (default:
   `data.data_source`);
 - verl: columns `prompt` (chat list) and `reward_model` (`{"ground_truth": ...}`), optionally
-  `data_source`, `ability`, `extra_info`; rows are passed through after the same validation.
+  `data_source`, `ability`, `extra_info`, `agent_name`; rows are passed through after the same validation.
 
 A folder where some file names hold the word test/validation/valid/val/dev/eval keeps that split (those
 files are the validation split, all others the training split); any other file or folder is split by
@@ -324,6 +324,7 @@ def verl_example(row: dict, index: int, columns: ColumnMapping, default_data_sou
     answer = extra.get("answer") if isinstance(extra.get("answer"), str) else ground_truth
     response = text_field(row, columns.response, f"field {columns.response!r}") if columns.response else answer
     question = extra.get("question")
+    agent_name = text_field(row, "agent_name", "field 'agent_name'") if row.get("agent_name") is not None else None
     return Example(
         prompt=prompt,
         ground_truth=ground_truth,
@@ -334,6 +335,7 @@ def verl_example(row: dict, index: int, columns: ColumnMapping, default_data_sou
         ability=row["ability"] if isinstance(row.get("ability"), str) else "custom",
         index=extra["index"] if isinstance(extra.get("index"), int) else index,
         extra={k: v for k, v in extra.items() if k not in EXTRA_INFO_KEYS},
+        agent_name=agent_name,
     )
 
 

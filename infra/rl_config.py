@@ -99,6 +99,10 @@ class RolloutConfig(_Section):
     val_top_p: float = Field(1.0, gt=0, le=1)
     enforce_eager: bool = Field(True, description="vllm: skip graph capture/compilation (faster start on CPU).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: share of device memory.")
+    prefix_cache_rows: int | None = Field(
+        None, ge=0, description="cuda: finished sequences whose K/V the engine keeps so that a multi-turn "
+        "trajectory's next turn computes only its new tokens (a second KV cache of this many rows); None: "
+        "max_num_seqs when rl.multi_turn has tools or interactions, else 0; 0: off.")
     logprob_check_tokens: int = Field(32, ge=0, description="Tokens checked after each weight sync (0: off).")
     logprob_check_tol: float = Field(1e-2, gt=0, description="Max |engine - trainer| logprob before erroring.")
 
@@ -143,8 +147,8 @@ class RewardConfig(_Section):
 
 
 class MultiTurnConfig(_Section):
-    """Agent loops with tools (stages/agent/tool_loop.py); verl's rollout.multi_turn. Rows choose a loop by
-    their `agent_name` column (data.agent_name sets it at data prep)."""
+    """Agent loops with tools and simulated users (stages/agent/tool_loop.py); verl's rollout.multi_turn. Rows
+    choose a loop by their `agent_name` column (verl-format data files carry it; the calculator task sets it)."""
 
     tool_config_path: str | None = Field(
         None, description="YAML file of tools in verl's format (class_name, config, tool_schema per tool).")
@@ -160,6 +164,16 @@ class MultiTurnConfig(_Section):
     tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool call.")
     tool_reward_weight: float = Field(
         1.0, allow_inf_nan=False, description="Weight of the tools' step rewards added to the outcome score.")
+    interaction_config_path: str | None = Field(
+        None, description="YAML file of simulated users in verl's format (`interaction:` list of name, class_name, "
+        "config; stages/agent/interactions.py). Rows on tool_agent with extra_info.interaction_kwargs.name get the "
+        "named one's reply after each model turn without a tool call. None: no simulated users.")
+    interaction_reward_weight: float = Field(
+        1.0, allow_inf_nan=False, description="Weight of a simulated user's turn scores (summed over the trajectory) "
+        "added to the outcome score; 0: they are only recorded (turns table, the reward function's extra_info).")
+    interaction_timeout_s: float = Field(
+        30.0, gt=0, description="Wall-clock limit of one call to a simulated user; past it the trajectory ends "
+        "(finish_reason interaction_error).")
 
 
 class RLConfig(_Section):

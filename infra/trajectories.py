@@ -31,9 +31,11 @@ logger = logging.getLogger(__name__)
 STEP_TABLES = ("rollouts", "metrics", "validation", "turns")
 # One row per turn of a multi-turn sample (stages/rl_data.py `turn_rows`); also the columns of an empty `turns`
 # view, so that queries over single-turn runs return no rows instead of failing on a missing column.
+# `score`: a simulated user's turn score (role user; stages/agent/interactions.py), NULL on other turns.
 TURN_COLUMNS = {"group_id": "VARCHAR", "sample_index": "BIGINT", "turn": "BIGINT", "role": "VARCHAR",
                 "text": "VARCHAR", "num_tokens": "BIGINT", "tool_name": "VARCHAR", "arguments": "VARCHAR",
-                "error": "BOOLEAN", "timeout": "BOOLEAN", "latency_s": "DOUBLE", "time": "TIMESTAMPTZ"}
+                "error": "BOOLEAN", "timeout": "BOOLEAN", "latency_s": "DOUBLE", "score": "DOUBLE",
+                "time": "TIMESTAMPTZ"}
 # The pipeline's evaluation rows (stages/evaluate.py `eval_rows`: one per model label x data_source x metric) and
 # their DuckDB types; also the columns of an empty `evals` view, so that a query over a store without
 # evaluations returns no rows instead of failing on a missing column.
@@ -101,7 +103,7 @@ def to_parquet_bytes(table: pa.Table) -> bytes:
 
 
 class RunTables:
-    """The per-step tables of one run (rollouts, metrics, validation) and its evals, in the store."""
+    """The per-step tables of one run (rollouts, metrics, validation, turns) and its evals, in the store."""
 
     def __init__(self, store: ArtifactStore, run_id: str):
         self.store = store
@@ -115,9 +117,13 @@ class RunTables:
         self._write(partition_dir("rollouts", self.run_id, step=step), rows)
 
     def write_turns(self, step: int, rows: list[dict]) -> None:
-        """One row per turn of each multi-turn sample (TURN_COLUMNS); nothing for single-turn steps."""
+        """One row per turn of each multi-turn sample (TURN_COLUMNS); no file for single-turn steps (an earlier
+        attempt's file of a redone step is removed, as for the other tables)."""
+        folder = partition_dir("turns", self.run_id, step=step)
         if rows:  # typed: a step whose tool_name or arguments are all None must not make them DOUBLE
-            self._write(partition_dir("turns", self.run_id, step=step), rows, TURN_COLUMNS)
+            self._write(folder, rows, TURN_COLUMNS)
+        elif self.store.glob(f"{folder}/{PART}"):
+            self.store.fs.rm_file(self.store.url(f"{folder}/{PART}"))
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Long format: one row (name, value, time) per metric."""
@@ -141,7 +147,7 @@ class RunTables:
         self._write(partition_dir("evals", self.run_id, label=label), rows)
 
     def steps(self, table: str) -> list[int]:
-        """Sorted steps of this run present in table (one of rollouts, metrics, validation)."""
+        """Sorted steps of this run present in table (one of rollouts, metrics, validation, turns)."""
         if table not in STEP_TABLES:
             raise ValueError(f"table={table!r}: steps exist for {', '.join(STEP_TABLES)}; evals have labels()")
         found = self.store.glob(f"{table}/run_id={self.run_id}/step=*/{PART}")
@@ -153,7 +159,8 @@ class RunTables:
         return sorted(path.split("/")[-2].removeprefix("label=") for path in found)
 
     def truncate_after(self, step: int) -> int:
-        """Delete this run's partitions with step > `step` in rollouts, metrics and validation; -> files removed.
+        """Delete this run's partitions with step > `step` in rollouts, metrics, validation and turns; -> files
+        removed.
 
         Used on resume: the steps after the last checkpoint will be regenerated. Evals (keyed by label, not
         step) and other runs are left alone.

@@ -38,7 +38,7 @@ import torch
 
 from infra.config import Config
 from stages.agent import Rollout
-from stages.agent.rollout import load_rollout_tools
+from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
 from stages.data_prep import load_prompts
 from stages.model.loading import load_model, load_tokenizer
 from stages.rewards.pool import RewardPool
@@ -173,7 +173,9 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
     logger.info("evaluate %s on %d prompts with %s (n=%d)", model_dir, num, engine, ev.n)
     rows = list(range(num))
     with eval_workers(cfg, str(model_dir)) as generate, RewardPool(cfg.rl.reward) as pool:
-        rollout = Rollout(generate, tokenizer, pool, load_rollout_tools(cfg.rl.multi_turn), cfg.rl.multi_turn)
+        multi_turn = cfg.rl.multi_turn
+        rollout = Rollout(generate, tokenizer, pool, load_rollout_tools(multi_turn), multi_turn,
+                          load_rollout_interactions(multi_turn))
         greedy, *sampled = [_samples(rollout, prompts, rows, params, sampled=params.n > 1) for params in runs]
     sampled = sampled[0] if sampled else []
     scores, counts = score_table(greedy, sampled, ev.n)

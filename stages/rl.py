@@ -39,7 +39,7 @@ from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
 from infra.tracking import Tracker, progress_bar
 from infra.trajectories import RunTables
 from stages.agent import Rollout, Scored
-from stages.agent.rollout import load_rollout_tools
+from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
 from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
@@ -60,7 +60,7 @@ from stages.rl_data import (
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
 from stages.validation import group_metrics
-from stages.workers.actor_rollout import ActorRolloutWorker
+from stages.workers.actor_rollout import ActorRolloutWorker, prefix_router
 from stages.workers.critic import CriticWorker
 from stages.workers.group import Placement, WorkerGroup, init_ray
 from stages.workers.reward_model import RewardModelWorker
@@ -127,6 +127,8 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train), self.rl.train_batch_size, cfg.run.seed)
         self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
         self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
+        multi_turn = self.rl.multi_turn  # a bad tools or interactions file fails here, before workers start
+        tools, interactions = load_rollout_tools(multi_turn), load_rollout_interactions(multi_turn)
         self.placement, self.actor, self.critic, self.reward_model = None, None, None, None
         use_rm = self.rl.reward.reward_model_path is not None
         try:
@@ -138,8 +140,8 @@ class RLTrainer:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
         self.rewards = RewardPool(self.rl.reward)
-        self.rollout = Rollout(self.engine_generate, self.tokenizer, self.rewards,
-                               load_rollout_tools(self.rl.multi_turn), self.rl.multi_turn)
+        self.prefix_router = prefix_router(cfg, self.world_size // self.rl.rollout.tensor_model_parallel_size)
+        self.rollout = Rollout(self.engine_generate, self.tokenizer, self.rewards, tools, multi_turn, interactions)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.reward_metrics: dict[str, float] = {}
@@ -242,7 +244,8 @@ class RLTrainer:
         params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                 max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
-        trajectories = self.rollout.run(self.train, indices, params)
+        with self.engines_awake():
+            trajectories = self.rollout.run(self.train, indices, params)
         batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
         with timer("reward"):
             self.score(batch, self.rollout.score(self.train, indices, trajectories))
@@ -250,18 +253,33 @@ class RLTrainer:
                 batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
         return batch
 
+    @contextmanager
+    def engines_awake(self):
+        """One engine wake for every generate call of a rollout (multi-turn loops call once per turn)."""
+        self.actor.call("hold_engine_awake", True)
+        try:
+            yield
+        finally:
+            self.actor.call("hold_engine_awake", False)
+
     def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
         rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
-        outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`."""
+        outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`. With prefix
+        reuse on several cuda engines, a prompt that continues a sequence an engine parked goes to that engine."""
         tp = self.rl.rollout.tensor_model_parallel_size
         engines = self.world_size // tp
-        shards = rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
+        router = self.prefix_router
+        shards = router.shards(prompt_ids) if router else rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
         seeds = [None if params.seed is None else params.seed + 1_000_003 * g for g in range(engines)]
         calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp]))
                  for r in range(self.world_size)]
         results = self.actor.call_each("generate", calls)[::tp]
-        return [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
+        outputs = [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
+        if router is None:
+            return outputs
+        router.record(shards, prompt_ids, results)
+        return sorted(outputs, key=lambda o: o.prompt_index)  # stable: each prompt's n samples keep their order
 
     def score(self, batch: Batch, scored: Scored) -> None:
         """The batch's scores (reward function + tools, + the reward model) and rewards (+ overlong penalty)."""
@@ -285,7 +303,8 @@ class RLTrainer:
         """ReMax: each sample's baseline is the score of its prompt's greedy response."""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,))
-        trajectories = self.rollout.run(self.train, indices, params)
+        with self.engines_awake():
+            trajectories = self.rollout.run(self.train, indices, params)
         greedy = self.rollout.score(self.train, indices, trajectories).scores
         if self.reward_model:
             rm = self.rm_scores([indices[t.prompt_index] for t in trajectories], [t.text for t in trajectories])
@@ -393,7 +412,8 @@ class RLTrainer:
         params = replace(params, max_tokens=self.cfg.data.max_response_length,
                          stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
         rows = list(range(num))
-        trajectories = self.rollout.run(self.val, rows, params)
+        with self.engines_awake():
+            trajectories = self.rollout.run(self.val, rows, params)
         scores = self.rollout.score(self.val, rows, trajectories).scores
         return [{"prompt_index": t.prompt_index, "data_source": self.val.data_sources[t.prompt_index], "score": s,
                  "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),

@@ -138,7 +138,7 @@ def turn_rows(batch: Batch) -> list[dict]:
                          "tool_name": turn.get("tool_name"),
                          "arguments": None if arguments is None else json.dumps(arguments, sort_keys=True),
                          "error": turn.get("error"), "timeout": turn.get("timeout"),
-                         "latency_s": turn.get("latency_s")})
+                         "latency_s": turn.get("latency_s"), "score": turn.get("score")})
     return rows
 
 

@@ -108,9 +108,9 @@ def _sft_sections(cfg: Config) -> tuple:
 
 
 def _tool_digests(cfg: Config) -> tuple:
-    """The content of the tool files of rl.multi_turn: its YAML and the files of its function tools."""
+    """The content of the tool files of rl.multi_turn: its YAMLs (tools, interactions) and its function tools' files."""
     mt = cfg.rl.multi_turn
-    return (content_digest(mt.tool_config_path),
+    return (content_digest(mt.tool_config_path), content_digest(mt.interaction_config_path),
             *(content_digest(spec.rpartition(":")[0]) for spec in mt.tool_functions if ":" in spec))
 
 

@@ -1,9 +1,9 @@
 """Agent loops: how one prompt row becomes `n` trajectories. Each row names its loop in `agent_name`.
 
 An `AgentLoop` gets a batch of samples (the rows that named it) and a `LoopContext` (the engine's batched
-`generate`, the tokenizer, the sampling parameters with `n`, the tools) and returns `n` trajectories per
-sample, prompt-major. Loops are registered in `AGENT_LOOPS` under verl's names; `agent_loop(name)` also takes
-`path/to/file.py:ClassName` or `package.module.ClassName` for a user's own loop (a subclass of AgentLoop).
+`generate`, the tokenizer, the sampling parameters with `n`, the tools, the simulated users) and returns `n`
+trajectories per sample, prompt-major. Loops are registered in `AGENT_LOOPS` under verl's names; `agent_loop(name)`
+also takes `path/to/file.py:ClassName` or `package.module.ClassName` for a user's own loop (a subclass of AgentLoop).
 
 `single_turn` is one batched engine call with `params.n` samples per prompt: exactly the call the RL loop,
 validation and evaluation made before loops existed, so its results are unchanged.
@@ -40,7 +40,8 @@ class LoopContext:
     tokenizer: Any
     params: SamplingParams
     tools: dict[str, Any] = field(default_factory=dict)  # name -> tool (stages/tools)
-    options: Any = None  # the loop's config section (e.g. rl.rollout.multi_turn)
+    options: Any = None  # the loop's config section (e.g. rl.multi_turn)
+    interactions: dict[str, Any] = field(default_factory=dict)  # name -> simulated user (stages/agent/interactions.py)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

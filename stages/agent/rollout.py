@@ -2,13 +2,14 @@
 
 Training, validation, evaluation and ReMax's greedy baselines all go through `Rollout`: `run` groups the rows
 by their `agent_name`, runs each loop's batch and returns the trajectories prompt-major in row order; `score`
-builds the reward requests (the only place they are built) and adds the tools' rewards. With every row on
-`single_turn` (the default), `run` makes exactly one engine call with the given parameters, the call the
-stages made before this component existed.
+builds the reward requests (the only place they are built) and adds the tools' and simulated users' rewards. With
+every row on `single_turn` (the default), `run` makes exactly one engine call with the given parameters, the call
+the stages made before this component existed.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from stages.agent.trajectory import Trajectory
 from stages.data_prep import PromptSet
 from stages.rewards.pool import RewardPool, RewardRequest, RewardResult
 from stages.rollout.base import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def load_rollout_tools(multi_turn: Any) -> dict:
@@ -31,9 +34,16 @@ def load_rollout_tools(multi_turn: Any) -> dict:
     return load_tools(entries) if entries else {}
 
 
+def load_rollout_interactions(multi_turn: Any) -> dict:
+    """The simulated users of `rl.multi_turn.interaction_config_path` (verl's YAML format), by name; {} when unset."""
+    from stages.agent.interactions import load_interactions
+
+    return load_interactions(multi_turn.interaction_config_path) if multi_turn.interaction_config_path else {}
+
+
 @dataclass
 class Scored:
-    scores: list[float]  # the reward function's score plus the tool reward, one per trajectory
+    scores: list[float]  # the reward function's score plus the tool and interaction rewards, one per trajectory
     result: RewardResult  # the reward function's own scores, components, errors and metrics
 
 
@@ -46,20 +56,23 @@ class Rollout:
         rewards: the reward pool (stages/rewards/pool.py).
         tools: name -> tool, for loops that call tools.
         options: the multi-turn settings handed to loops (`LoopContext.options`).
+        interactions: name -> simulated user (stages/agent/interactions.py), for rows with interaction_kwargs.
     """
 
     def __init__(self, generate: GenerateFn, tokenizer: Any, rewards: RewardPool, tools: dict | None = None,
-                 options: Any = None):
+                 options: Any = None, interactions: dict | None = None):
         self.generate, self.tokenizer, self.rewards = generate, tokenizer, rewards
-        self.tools, self.options = tools or {}, options
+        self.tools, self.options, self.interactions = tools or {}, options, interactions or {}
         self._loops: dict[str, AgentLoop] = {}
+        self._warned_single_turn = False
 
     def run(self, prompts: PromptSet, rows: list[int], params: SamplingParams) -> list[Trajectory]:
         """`params.n` trajectories per row, prompt-major in the order of `rows`; `prompt_index` indexes `rows`."""
         by_loop: dict[str, list[int]] = {}
         for position, row in enumerate(rows):
             by_loop.setdefault(prompts.agent_names[row] or DEFAULT_LOOP, []).append(position)
-        ctx = LoopContext(self.generate, self.tokenizer, params, self.tools, self.options)
+        self._warn_single_turn(prompts, [rows[p] for p in by_loop.get(DEFAULT_LOOP, [])])
+        ctx = LoopContext(self.generate, self.tokenizer, params, self.tools, self.options, self.interactions)
         found: list[Trajectory] = []
         for name, positions in by_loop.items():
             samples = [Sample(p, prompts.prompt_ids[rows[p]], prompts.prompts[rows[p]], prompts.extra_infos[rows[p]])
@@ -68,6 +81,16 @@ class Rollout:
         if len(by_loop) > 1:
             found.sort(key=lambda t: t.prompt_index)  # stable: a row's samples keep their order
         return found
+
+    def _warn_single_turn(self, prompts: PromptSet, rows: list[int]) -> None:
+        """Once: rows on single_turn with interaction_kwargs get no simulated user (it needs tool_agent)."""
+        if not self.interactions or self._warned_single_turn:
+            return
+        num = sum(1 for r in rows if (prompts.extra_infos[r] or {}).get("interaction_kwargs"))
+        if num:
+            logger.warning("%d rows have extra_info.interaction_kwargs but run on single_turn, which has no simulated "
+                           "user; set their agent_name to tool_agent (warned once)", num)
+            self._warned_single_turn = True
 
     def _loop(self, name: str) -> AgentLoop:
         if name not in self._loops:
@@ -85,4 +108,4 @@ class Rollout:
                 extra = {**(extra or {}), "turns": t.turns}
             requests.append(RewardRequest(prompts.data_sources[row], t.text, prompts.ground_truths[row], extra))
         result = self.rewards.score(requests)
-        return Scored([s + t.tool_reward for s, t in zip(result.scores, trajectories)], result)
+        return Scored([s + t.tool_reward + t.interaction_reward for s, t in zip(result.scores, trajectories)], result)

@@ -7,44 +7,67 @@ assistant header, as a delta) and appended with mask 0 and logprob 0. The total 
 tokens) stays within `params.max_tokens` (data.max_response_length, verl's response_length).
 
 A turn ends the trajectory when it has no tool call (`stop`), when the token budget runs out (`length`) or when
-`max_assistant_turns` / `max_user_turns` is reached (`max_turns`). Malformed calls, unknown tools, bad
+`max_assistant_turns` / `max_user_turns` is reached (`max_turns`; tool and user turns both count against
+`max_user_turns`, as in verl). Malformed calls, unknown tools, bad
 arguments, raising or hanging tools become error texts the model reads (stages/tools/calls.py); calls beyond
 `max_parallel_calls` in one turn get an error text too. Tool answers are cut to `max_tool_response_length`
 characters on `tool_response_truncate_side`.
 
 Concurrency: all trajectories of a batch run as coroutines. Their generation requests go through
 `BatchedEngine`, which sends whatever is pending as one batched engine call in a worker thread, so a sample
-waiting for its tool overlaps the others' generation. Sampling seeds follow the engine calls, whose make-up
+waiting for its tool overlaps the others' generation; before a call it lingers a little for trajectories that
+are about to come back from their tools (at most half the last call's time), since a batch engine serves two
+small calls in about twice the time of one large one. Sampling seeds follow the engine calls, whose make-up
 depends on tool timing: a multi-turn batch is reproducible only as far as its tools' timing is.
 
+Simulated users (stages/agent/interactions.py): a row with `extra_info.interaction_kwargs` (and interactions
+configured) does not stop at a model turn without a tool call: its interaction gets the conversation so far (the
+prompt messages and every assistant, tool and user message as chat dicts) and answers; unless it ends the
+conversation, its reply is appended as a user message (`user_turn_ids`, mask 0, logprob 0) and the model goes on.
+The interaction also judges the turn that hits the turn limit (its reply is recorded, not appended), so every
+complete answer gets a turn score; a reply that ends the conversation is recorded and not appended either (no model
+turn follows it; verl appends it with mask 0). A failing interaction ends its trajectory (`interaction_error`).
+
 The reward scores the model's turns joined by newlines (`Trajectory.text`); the reward function also gets every
-turn in `extra_info["turns"]`. The tools' step rewards and `calc_reward` add up in `Trajectory.tool_reward`.
+turn in `extra_info["turns"]` (user turns with their `score`). The tools' step rewards and `calc_reward` add up in
+`Trajectory.tool_reward`, the interaction's turn scores in `Trajectory.interaction_reward`, each times its weight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, replace
 
+from stages.agent.interactions import InteractionSession, pick_interaction
 from stages.agent.loops import AGENT_LOOPS, AgentLoop, GenerateFn, LoopContext, Sample
 from stages.agent.trajectory import Trajectory
-from stages.model.loading import tool_turn_ids
+from stages.model.loading import tool_turn_ids, user_turn_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.tools.calls import call_tool
 from stages.tools.parsers import parse_tool_calls, tool_messages
+
+logger = logging.getLogger(__name__)
 
 SEED_STRIDE = 7919  # between consecutive engine calls' seeds
 
 
 class BatchedEngine:
-    """One-sample generation requests from concurrent trajectories, served in batched engine calls."""
+    """One-sample generation requests from `live` concurrent trajectories, served in batched engine calls.
 
-    def __init__(self, generate: GenerateFn, params: SamplingParams):
+    Our engines generate a batch at a time, so a call started with a few requests and another soon after with
+    the rest cost about two calls. Once a request waits, the next call therefore lingers until every live
+    trajectory has asked (the rest are back from their tools) or for at most `linger` times the last call's
+    duration, whichever comes first: a slow tool delays the others by at most that much.
+    """
+
+    def __init__(self, generate: GenerateFn, params: SamplingParams, live: int, linger: float = 0.5):
         self._generate, self._params = generate, params
         self._pending: list[tuple[list[int], int, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._closed = False
+        self._live, self._linger, self._last_call_s = live, linger, 0.0
         self.num_calls = 0
 
     async def generate(self, prompt_ids: list[int], max_tokens: int) -> RolloutOutput:
@@ -52,6 +75,11 @@ class BatchedEngine:
         self._pending.append((prompt_ids, max_tokens, future))
         self._wake.set()
         return await future
+
+    def finished(self) -> None:
+        """One trajectory is done: it will not ask again."""
+        self._live -= 1
+        self._wake.set()
 
     def close(self) -> None:
         self._closed = True
@@ -63,23 +91,37 @@ class BatchedEngine:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(0)  # requests made ready by the same event join this call
-            batch, self._pending = self._pending, []
-            if not batch:
+            if not self._pending:
                 if self._closed:
                     return
                 continue
+            await self._wait_for_others()
+            batch, self._pending = self._pending, []
             await self._serve(batch)
+
+    async def _wait_for_others(self) -> None:
+        deadline = time.perf_counter() + self._linger * self._last_call_s
+        while len(self._pending) < self._live and (left := deadline - time.perf_counter()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+            await asyncio.sleep(0)
 
     async def _serve(self, batch: list[tuple[list[int], int, asyncio.Future]]) -> None:
         seed = None if self._params.seed is None else self._params.seed + SEED_STRIDE * self.num_calls
         params = replace(self._params, n=1, max_tokens=max(m for _, m, _ in batch), seed=seed)
         self.num_calls += 1
+        start = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self._generate, [ids for ids, _, _ in batch], params)
         except Exception as exc:  # the engine's failure is every waiting trajectory's
             for _, _, future in batch:
                 future.set_exception(exc)
             return
+        finally:
+            self._last_call_s = time.perf_counter() - start
         for out in outputs:
             _, max_tokens, future = batch[out.prompt_index]
             future.set_result(_cut(out, max_tokens))
@@ -116,8 +158,10 @@ class _State:
     turns: list[dict]
     texts: list[str]
     metrics: dict[str, float]
+    messages: list[dict]  # the conversation as chat dicts (what an interaction reads)
     finish_reason: str = "stop"
     tool_reward: float = 0.0
+    interaction_reward: float = 0.0
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.response_ids += ids
@@ -132,37 +176,66 @@ class _State:
 class ToolAgentLoop(AgentLoop):
     name = "tool_agent"
 
+    def __init__(self):
+        self._warned: set[tuple[str, str]] = set()  # (interaction, method) whose failure was logged with traceback
+        self._warned_unconfigured = False
+
     def run_batch(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
         return asyncio.run(self._run_all(ctx, samples))
 
     async def _run_all(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
-        engine = BatchedEngine(ctx.generate, ctx.params)
+        picks = [pick_interaction(ctx.interactions, s.extra_info) for s in samples]  # bad rows fail before generating
+        self._warn_unconfigured(ctx, samples)
+        engine = BatchedEngine(ctx.generate, ctx.params, live=len(samples) * ctx.params.n)
         server = asyncio.create_task(engine.serve())
         try:
-            return list(await asyncio.gather(*(self._run_one(ctx, engine, s) for s in samples
-                                               for _ in range(ctx.params.n))))
+            return list(await asyncio.gather(*(self._run_tracked(ctx, engine, s, pick)
+                                               for s, pick in zip(samples, picks) for _ in range(ctx.params.n))))
         finally:
             engine.close()
             await server
 
-    async def _run_one(self, ctx: LoopContext, engine: BatchedEngine, sample: Sample) -> Trajectory:
+    async def _run_tracked(self, ctx: LoopContext, engine: BatchedEngine, sample: Sample,
+                           pick: tuple | None) -> Trajectory:
+        try:
+            return await self._run_one(ctx, engine, sample, pick)
+        finally:
+            engine.finished()
+
+    def _warn_unconfigured(self, ctx: LoopContext, samples: list[Sample]) -> None:
+        if ctx.interactions or self._warned_unconfigured:
+            return
+        num = sum(1 for s in samples if (s.extra_info or {}).get("interaction_kwargs"))
+        if num:
+            logger.warning("%d rows have extra_info.interaction_kwargs but rl.multi_turn.interaction_config_path is "
+                           "not set: they run without a simulated user (warned once)", num)
+            self._warned_unconfigured = True
+
+    async def _run_one(self, ctx: LoopContext, engine: BatchedEngine, sample: Sample,
+                       pick: tuple | None) -> Trajectory:
         opts, budget = ctx.options, ctx.params.max_tokens
-        state = _State([], [], [], [], [], {"tool/calls": 0.0})
+        state = _State([], [], [], [], [], {"tool/calls": 0.0}, list(sample.messages))
+        session = InteractionSession(*pick, opts.interaction_timeout_s, state.metrics, self._warned) if pick else None
         kwargs = (sample.extra_info or {}).get("tools_kwargs") or {}
         instances = {name: await tool.create(**(kwargs.get(name) or {}).get("create_kwargs", {}))
                      for name, tool in ctx.tools.items()}
         try:
-            await self._turns(ctx, engine, sample, state, instances, budget)
+            if session:
+                await session.start()
+            await self._turns(ctx, engine, sample, state, instances, budget, session)
         finally:
             for name, tool in ctx.tools.items():
                 state.tool_reward += await tool.calc_reward(instances[name])
                 await tool.release(instances[name])
+            if session:
+                await session.finalize()
         return Trajectory(sample.prompt_index, state.response_ids, state.mask, state.logprobs, state.finish_reason,
                           "\n".join(state.texts), self.name, state.turns,
-                          opts.tool_reward_weight * state.tool_reward, state.metrics)
+                          opts.tool_reward_weight * state.tool_reward, state.metrics,
+                          opts.interaction_reward_weight * state.interaction_reward)
 
     async def _turns(self, ctx: LoopContext, engine: BatchedEngine, sample: Sample, state: _State,
-                     instances: dict[str, str], budget: int) -> None:
+                     instances: dict[str, str], budget: int, session: InteractionSession | None) -> None:
         opts = ctx.options
         num_assistant = num_user = 0
         while True:
@@ -173,23 +246,51 @@ class ToolAgentLoop(AgentLoop):
             content, calls, errors = parse_tool_calls(text, opts.format)
             state.texts.append(text)
             state.turns.append({"role": "assistant", "text": text, "tokens": len(out.response_ids)})
+            state.messages.append({"role": "assistant", "content": text})
             if out.finish_reason == "length" or len(state.response_ids) >= budget:
                 state.finish_reason = "length"
                 return
+            at_limit = num_assistant >= opts.max_assistant_turns or num_user >= opts.max_user_turns
             if not calls and not errors:
-                state.finish_reason = "stop"
-                return
-            if num_assistant >= opts.max_assistant_turns or num_user >= opts.max_user_turns:
+                if session is None:
+                    state.finish_reason = "stop"
+                    return
+                ids = await self._user_turn(ctx, state, session, at_limit, budget)
+            elif at_limit:
                 state.finish_reason = "max_turns"
                 return
-            answers = await self._call_tools(ctx, state, calls, errors, instances)
-            ids = tool_turn_ids(ctx.tokenizer, tool_messages(answers))
+            else:
+                messages = tool_messages(await self._call_tools(ctx, state, calls, errors, instances))
+                state.messages += messages
+                ids = tool_turn_ids(ctx.tokenizer, messages)
+            if ids is None:  # the interaction ended the trajectory (finish_reason set)
+                return
             room = budget - len(state.response_ids)
             state.add(ids[:room], None)
             num_user += 1
             if len(ids) >= room:  # no room left for the model to answer
                 state.finish_reason = "length"
                 return
+
+    async def _user_turn(self, ctx: LoopContext, state: _State, session: InteractionSession, at_limit: bool,
+                         budget: int) -> list[int] | None:
+        """Ask the interaction for the user's reply to the model's last turn; -> the reply's ids to append, or None
+        when the trajectory ends here: the interaction ended it (`stop`) or failed (`interaction_error`), or the
+        turn limit is reached (`max_turns`; the reply is recorded with its score, but not appended)."""
+        reply = await session.respond(state.messages)
+        if reply is None:
+            state.finish_reason = "interaction_error"
+            return None
+        state.interaction_reward += reply.score
+        turn = {"role": "user", "text": reply.text, "tokens": 0, "score": reply.score, "data": reply.data}
+        state.turns.append(turn)
+        if reply.terminate or at_limit:
+            state.finish_reason = "stop" if reply.terminate else "max_turns"
+            return None
+        state.messages.append({"role": "user", "content": reply.text})
+        ids = user_turn_ids(ctx.tokenizer, reply.text)
+        turn["tokens"] = min(len(ids), budget - len(state.response_ids))
+        return ids
 
     async def _call_tools(self, ctx: LoopContext, state: _State, calls: list, errors: list[str],
                           instances: dict[str, str]) -> list[str]:

@@ -21,8 +21,9 @@ class Trajectory:
     text: str  # what the reward scores: the model's decoded text (all turns' for multi-turn loops)
     agent_name: str = "single_turn"
     turns: list[dict] = field(default_factory=list)  # multi-turn: one record per turn (the `turns` table)
-    tool_reward: float = 0.0  # the sum of the tools' step rewards and calc_reward
+    tool_reward: float = 0.0  # the sum of the tools' step rewards and calc_reward, times tool_reward_weight
     metrics: dict[str, float] = field(default_factory=dict)  # per-sample counts (tool calls, errors, ...)
+    interaction_reward: float = 0.0  # a simulated user's turn scores, summed, times interaction_reward_weight
 
     def __post_init__(self):
         if not (len(self.response_ids) == len(self.response_mask) == len(self.logprobs)):

@@ -95,12 +95,23 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) ->
 def tool_turn_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of tool messages plus the next assistant header, as the chat template renders them after an
     assistant turn that ended with the end-of-turn token (which the model's own ids already hold)."""
+    return _turn_delta_ids(tokenizer, messages)
+
+
+def user_turn_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of one user message plus the next assistant header, rendered after an assistant turn as
+    `tool_turn_ids` renders tool messages (a simulated user's reply in a multi-turn rollout)."""
+    return _turn_delta_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """What the chat template appends for `messages` (and the next assistant header) after a finished turn."""
     base = [{"role": "user", "content": "x"}]
     before = tokenizer.apply_chat_template(base, tokenize=False)
     after = tokenizer.apply_chat_template(base + messages, add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):
-        raise ValueError("the chat template renders earlier messages differently once tool messages follow; "
-                         "multi-turn rollouts need a template that only appends")
+        raise ValueError("the chat template renders earlier messages differently once tool or user messages "
+                         "follow; multi-turn rollouts need a template that only appends")
     eos = tokenizer.eos_token or ""
     separator = before[before.rindex(eos) + len(eos):] if eos and eos in before else ""
     return tokenizer(separator + after[len(before):], add_special_tokens=False)["input_ids"]

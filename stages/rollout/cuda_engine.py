@@ -16,8 +16,16 @@ Algorithm (one `generate` call; sequences = prompts x n, prompt-major):
    (K/V rows included), so B shrinks and smaller, cheaper buckets run: finished sequences stop costing
    compute, up to `sync_every - 1` steps of overrun (their extra tokens are dropped).
 
-Deviations from vLLM: no paged KV cache (each slot holds `max_model_len` positions), no prefix caching
-across calls, no chunked prefill; admission is by whole prompts (all n samples together).
+5. Prefix reuse (`prefix_cache_rows` > 0, for multi-turn trajectories). When a sequence finishes, the K/V of
+   its prompt and reply (all but the last token, whose K/V were not computed) are copied from its slot into a
+   row of the park, a second cache of that many rows, and indexed by their tokens (prefix_cache.py). A later
+   prompt that starts with a parked sequence (the same trajectory's next turn: earlier prompt + reply + tool
+   tokens) has that row copied into its slots and computes only the tokens after it. A weight update empties
+   the park (its K/V belong to the old weights); when it is full the oldest entry goes; a taken entry is gone.
+
+Deviations from vLLM: no paged KV cache (each slot holds `max_model_len` positions), prefix reuse only from
+whole finished sequences (not shared between prompts with a common start), no chunked prefill; admission is by
+whole prompts (all n samples together).
 
 Kernels: on CUDA with Triton, decode attention is split-KV flash-decoding and sampling one fused pass
 over the logits (triton_kernels.py); the pointwise work between matmuls is torch.compile'd (cuda_model.py).
@@ -40,6 +48,7 @@ import torch
 from stages.model.policy import hf_parts
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.cuda_model import Decoder
+from stages.rollout.prefix_cache import PrefixIndex
 from stages.rollout.sampling import Sampler, SamplingMode
 
 logger = logging.getLogger(__name__)
@@ -81,18 +90,22 @@ class CudaRolloutEngine:
     """RolloutEngine (base.py) over a transformers Qwen2/Llama model; fast on CUDA, correct anywhere.
 
     model: the HF causal LM whose weights are copied (it is not kept). max_model_len bounds prompt +
-    response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows).
+    response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows); prefix_cache_rows is
+    the number of finished sequences whose K/V are kept for a continuation (0: off).
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, *, max_num_seqs: int = 256,
                  max_model_len: int = 1024, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, attention: str = "auto", use_cuda_graphs: bool | None = None,
                  compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
-                 release_memory_on_sleep: bool = False, fused_sampling: bool | None = None):
+                 release_memory_on_sleep: bool = False, fused_sampling: bool | None = None,
+                 prefix_cache_rows: int = 0):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if prefix_cache_rows < 0:
+            raise ValueError(f"prefix_cache_rows={prefix_cache_rows} must be >= 0 (0: no prefix reuse)")
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
@@ -123,24 +136,32 @@ class CudaRolloutEngine:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.stats: dict[str, float] = {}
-        self.decoder.allocate_cache()
+        self.prefix_cache_rows = prefix_cache_rows
+        self.prefix = PrefixIndex(prefix_cache_rows, max_model_len) if prefix_cache_rows else None
+        self.wake()
 
     # ---- interface ---------------------------------------------------------------------------------
 
     def update_weights(self, state) -> None:
         """A full HF state dict, or an iterable of (name, tensor) pairs (e.g. streamed layer by layer)."""
+        if self.prefix is not None:
+            self.prefix.clear()  # parked K/V were computed with the old weights
         self.decoder.weights.load(state)
 
     def sleep(self) -> None:
         if self.release_memory_on_sleep:
             self._graphs.clear()
             self.decoder.free_cache()
+            if self.prefix is not None:
+                self.prefix.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def wake(self) -> None:
         if self.decoder.kv is None:
             self.decoder.allocate_cache()
+        if self.prefix is not None and self.decoder.park is None:
+            self.decoder.allocate_park(self.prefix_cache_rows)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
@@ -151,7 +172,8 @@ class CudaRolloutEngine:
             torch.manual_seed(params.seed)
         self.sampler.seed.fill_(int(torch.randint(0, 2**31 - 1, (1,)).item()))  # the fused sampler's noise key
         self.stats = {"decode_steps": 0, "row_steps": 0, "padded_row_steps": 0, "prefill_tokens": 0,
-                      "prefill_s": 0.0, "capture_s": 0.0, "harvest_s": 0.0}
+                      "reused_tokens": 0, "prefill_s": 0.0, "capture_s": 0.0, "harvest_s": 0.0}
+        self._prompt_ids = prompt_ids
         waiting = deque(range(len(prompt_ids)))
         self._active, self._host_pos = [], []  # per slot in [0, B): sequence id, next position
         self.slots.reset_from(0)
@@ -194,41 +216,63 @@ class CudaRolloutEngine:
         if capacity == 0 or not waiting or (self._active and capacity < batch):
             return
         take = [waiting.popleft() for _ in range(min(capacity, len(waiting)))]
+        parked = {}  # prompt index -> (park row, tokens reused)
+        if self.prefix is not None:
+            parked = {i: hit for i in take if (hit := self.prefix.take(prompt_ids[i])) is not None}
         chunk, tokens = [], 0
         for index in take:
-            if chunk and tokens + len(prompt_ids[index]) > self.max_prefill_tokens:
-                self._prefill(chunk, prompt_ids, n, mode)
+            cost = len(prompt_ids[index]) - parked.get(index, (0, 0))[1]
+            if chunk and tokens + cost > self.max_prefill_tokens:
+                self._prefill(chunk, prompt_ids, n, mode, parked)
                 chunk, tokens = [], 0
             chunk.append(index)
-            tokens += len(prompt_ids[index])
-        self._prefill(chunk, prompt_ids, n, mode)
+            tokens += cost
+        self._prefill(chunk, prompt_ids, n, mode, parked)
 
-    def _prefill(self, indices: list[int], prompt_ids: list[list[int]], n: int, mode: SamplingMode) -> None:
+    def _prefill(self, indices: list[int], prompt_ids: list[list[int]], n: int, mode: SamplingMode,
+                 parked: dict[int, tuple[int, int]]) -> None:
+        """Compute the prompts (from their parked length on, for those with a parked prefix) into n slots each."""
         start_time = time.perf_counter()
         dev, start = self.device, len(self._active)
-        lengths = torch.tensor([len(prompt_ids[i]) for i in indices])
+        reused = torch.tensor([parked.get(i, (0, 0))[1] for i in indices])
+        full = torch.tensor([len(prompt_ids[i]) for i in indices])
+        lengths = full - reused  # tokens computed per prompt
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
         sample_lengths = lengths.repeat_interleave(n)  # (m*n,)
         slots = start + torch.arange(len(indices) * n)
         total = int(sample_lengths.sum())
         offsets = torch.arange(total) - (sample_lengths.cumsum(0) - sample_lengths).repeat_interleave(sample_lengths)
         src = cu[:-1].repeat_interleave(n).repeat_interleave(sample_lengths) + offsets
-        ids = torch.tensor([t for i in indices for t in prompt_ids[i]])
-        positions = torch.cat([torch.arange(int(length)) for length in lengths])
+        ids = torch.tensor([t for i, r in zip(indices, reused.tolist()) for t in prompt_ids[i][r:]])
+        positions = torch.cat([torch.arange(r, f) for r, f in zip(reused.tolist(), full.tolist())])
+        dst_pos = offsets + reused.repeat_interleave(n).repeat_interleave(sample_lengths)
+        context = self._unpark(indices, parked, slots, n, full) if int(reused.max()) > 0 else None
         logits = self.decoder.prefill(
             ids.to(dev), positions.to(dev), cu.to(dev, torch.int32), int(lengths.max()),
-            slots.repeat_interleave(sample_lengths).to(dev), offsets.to(dev), src.to(dev), (cu[1:] - 1).to(dev),
+            slots.repeat_interleave(sample_lengths).to(dev), dst_pos.to(dev), src.to(dev), (cu[1:] - 1).to(dev),
+            context,
         )
         tokens, logprobs = self.sampler.sample(logits.repeat_interleave(n, dim=0), mode)
         rows, s = slots.to(dev), self.slots
-        s.pos[rows] = sample_lengths.to(dev)
+        s.pos[rows] = full.repeat_interleave(n).to(dev)
         s.gen[rows] = 0
         s.done[rows] = False
         self._record(rows, tokens, logprobs, advance=False)
         self._active += [i * n + k for i in indices for k in range(n)]
-        self._host_pos += sample_lengths.tolist()
+        self._host_pos += full.repeat_interleave(n).tolist()
         self.stats["prefill_tokens"] += int(lengths.sum())
+        self.stats["reused_tokens"] += int(reused.sum())
         self.stats["prefill_s"] += time.perf_counter() - start_time
+
+    def _unpark(self, indices: list[int], parked: dict[int, tuple[int, int]], slots: torch.Tensor, n: int,
+                full: torch.Tensor) -> tuple:
+        """Copy the parked prefixes into their prompts' slots; -> the prefill's attention context."""
+        hits = [(k, parked[i]) for k, i in enumerate(indices) if i in parked]
+        dst = torch.tensor([int(slots[k * n + j]) for k, _ in hits for j in range(n)], device=self.device)
+        src = torch.tensor([row for _, (row, _) in hits for _ in range(n)], device=self.device)
+        self.decoder.unpark_kv(src, dst, max(length for _, (_, length) in hits))
+        read_slot = slots[::n].to(self.device)
+        return read_slot, full.to(self.device, torch.int32), int(full.max())
 
     def _record(self, rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, advance: bool) -> None:
         """Append each row's new token (and its logprob); mark rows that hit a stop token or max_tokens."""
@@ -278,8 +322,21 @@ class CudaRolloutEngine:
         for slot, toks, lps in zip(done, tokens, logprobs):
             seq = self._active[slot]
             results[seq] = _trim(toks, lps, self._stops, seq // params.n)
+        if self.prefix is not None:
+            self._park(done, results, params.n)
         self._compact(done)
         self.stats["harvest_s"] += time.perf_counter() - start  # host time while the device waits
+
+    def _park(self, done: list[int], results: dict[int, RolloutOutput], n: int) -> None:
+        """Keep the finished slots' K/V (prompt + reply but its last token) in the park, indexed by their tokens."""
+        row_slot, longest = {}, 0  # a row given twice (evicted within this harvest) keeps its last sequence
+        for slot in done:
+            seq = self._active[slot]
+            tokens = self._prompt_ids[seq // n] + results[seq].response_ids[:-1]
+            row_slot[self.prefix.add(tokens)] = slot
+            longest = max(longest, len(tokens))
+        rows, slots = (torch.tensor(x, device=self.device) for x in zip(*row_slot.items()))
+        self.decoder.park_kv(slots, rows, longest)
 
     def _compact(self, done: list[int]) -> None:
         """Move the last running slots into the finished ones' places: running slots stay [0, B')."""

@@ -10,6 +10,10 @@ from a transformers model, with the same operation order as transformers so that
   its slot; the engine moves slots around (compaction), this module only reads and writes them;
 - prefill: prompts packed without padding (position ids per prompt), causal attention within each
   prompt (stages/model/policy.py `packed_attention`), K/V written into each of the prompt's `n` slots;
+  a continued prompt (its first tokens' K/V already copied into its slots from the park) computes only its
+  remaining tokens, which attend to the slot's cache;
+- park: (layers, 2, rows, max_len, kv_heads, head_dim), K/V of finished sequences kept between engine calls
+  (the engine's prefix reuse for multi-turn trajectories); `park_kv` / `unpark_kv` copy slots to rows and back;
 - decode: one token per slot for slots [0, B); attention reads each slot's first pos+1 cache entries:
   `triton` (CUDA: split-KV flash-decoding, triton_kernels.py; the default there), `flash` (CUDA: the
   flash kernel's varlen path with per-slot lengths; one program per sequence and kv head, so it is
@@ -207,6 +211,7 @@ class Decoder:
             cos, sin = rotary(torch.empty(0, device=device, dtype=dtype), positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_len, D) in dtype
         self.kv: torch.Tensor | None = None
+        self.park: torch.Tensor | None = None
         # automatic dynamic shapes: a second token count recompiles once with that dimension symbolic
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if compile else (lambda f: f)
         self._attn_inputs = wrap(attn_inputs)
@@ -222,7 +227,19 @@ class Decoder:
                               device=self.device, dtype=self.dtype)
 
     def free_cache(self) -> None:
-        self.kv = None
+        self.kv = self.park = None
+
+    def allocate_park(self, rows: int) -> None:
+        s = self.shape
+        self.park = torch.zeros(s.num_layers, 2, rows, self.max_len, s.num_kv_heads, s.head_dim,
+                                device=self.device, dtype=self.dtype)
+
+    def park_kv(self, slots: torch.Tensor, rows: torch.Tensor, length: int) -> None:
+        """Copy the first `length` positions of each slot into its park row (slots[i] -> rows[i])."""
+        self.park[:, :, rows, :length] = self.kv[:, :, slots, :length]
+
+    def unpark_kv(self, rows: torch.Tensor, slots: torch.Tensor, length: int) -> None:
+        self.kv[:, :, slots, :length] = self.park[:, :, rows, :length]
 
     def kv_bytes(self) -> int:
         s = self.shape
@@ -239,23 +256,52 @@ class Decoder:
         return self._attn_output_and_mlp(h, attn, w.o_w[i], w.o_b[i], w.post_norm[i], w.gate_up[i], w.down[i], s.eps)
 
     @torch.no_grad()
-    def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, dst_slot, dst_pos, src_token, last_token):
+    def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, dst_slot, dst_pos, src_token, last_token,
+                context: tuple | None = None):
         """Packed prompts -> logits at each prompt's last token (P, V); K/V copied to every target slot.
 
         ids, positions: (N,) packed prompt tokens; cu_seqlens: (P+1,) int32; dst_slot, dst_pos, src_token:
         (N*n,) where each packed token's K/V go; last_token: (P,) index of each prompt's last token.
+        context: None when every prompt is packed whole; else (read_slot (P,), kv_len (P,) int32, max_kv_len):
+        the packed tokens are the ends of prompts whose K/V start in slot read_slot[p] (their earlier positions
+        already there), and attend to its first kv_len[p] positions, causally (the queries are the last ones).
         """
 
         def attend(i, q, k, v):
             self.kv[i, 0].index_put_((dst_slot, dst_pos), k[src_token])
             self.kv[i, 1].index_put_((dst_slot, dst_pos), v[src_token])
-            return packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+            if context is None:
+                return packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+            return self._cached_attention(i, q, cu_seqlens, max_seqlen, *context)
 
         h = F.embedding(ids, self.weights.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         for i in range(self.shape.num_layers):
             h = self._layer(i, h, cos, sin, attend)
         return self._logits(h[last_token])
+
+    def _cached_attention(self, i, q, cu_q, max_q: int, read_slot, kv_len, max_kv: int) -> torch.Tensor:
+        """Queries (the last tokens of each prompt) over their slot's cache: flash varlen on CUDA, sdpa else."""
+        s = self.shape
+        if self.attention != "sdpa":
+            cu_k = torch.cat([read_slot, read_slot[-1:] + 1]).to(torch.int32) * self.max_len
+            keys = self.kv[i, 0].view(-1, s.num_kv_heads, s.head_dim)  # every slot's region, end to end
+            values = self.kv[i, 1].view(-1, s.num_kv_heads, s.head_dim)
+            return torch.ops.aten._flash_attention_forward(
+                q, keys, values, cu_q, cu_k, max_q, max_kv, 0.0, True, False, scale=self.scale, seqused_k=kv_len,
+            )[0]
+        groups = s.num_heads // s.num_kv_heads
+        outs = []
+        for start, end, slot, total in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), read_slot.tolist(),
+                                           kv_len.tolist()):
+            keys = self.kv[i, 0, slot, :total].transpose(0, 1).repeat_interleave(groups, 0)  # (H, total, D)
+            values = self.kv[i, 1, slot, :total].transpose(0, 1).repeat_interleave(groups, 0)
+            query_pos = torch.arange(total - (end - start), total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values, attn_mask=mask,
+                                                 scale=self.scale)
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs)
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

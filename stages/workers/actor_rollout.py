@@ -41,6 +41,7 @@ from stages.model.loading import compute_dtype, load_model, load_tokenizer
 from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import TokenLogprobs, compile_layers, pack_rows
 from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_update import all_reduce, micro_batches, reshard_after_forward, update_policy
 
 logger = logging.getLogger(__name__)
@@ -76,12 +77,30 @@ def make_engine(cfg: Config, model_dir: str):
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=rollout.max_num_seqs,
                                  max_model_len=max_len, device="cuda" if on_gpu else "cpu",
-                                 dtype=torch.bfloat16 if on_gpu else None)
+                                 dtype=torch.bfloat16 if on_gpu else None, prefix_cache_rows=prefix_cache_rows(cfg))
     from stages.rollout.hf import HFRolloutEngine
 
     if on_gpu:
         model = model.cuda()
     return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+def prefix_cache_rows(cfg: Config) -> int:
+    """rl.rollout.prefix_cache_rows, resolved: by default on (max_num_seqs rows) for multi-turn rollouts only."""
+    rows, multi_turn = cfg.rl.rollout.prefix_cache_rows, cfg.rl.multi_turn
+    if rows is not None:
+        return rows
+    uses_turns = multi_turn.tool_config_path or multi_turn.tool_functions or getattr(
+        multi_turn, "interaction_config_path", None)
+    return cfg.rl.rollout.max_num_seqs if uses_turns else 0
+
+
+def prefix_router(cfg: Config, engines: int) -> PrefixRouter | None:
+    """With several cuda engines and prefix reuse on, the router that sends a trajectory's turns to one engine."""
+    rows = prefix_cache_rows(cfg) if cfg.rl.rollout.engine == "cuda" else 0
+    if rows == 0 or engines == 1:
+        return None
+    return PrefixRouter(engines, rows, cfg.data.max_prompt_length + cfg.data.max_response_length)
 
 
 class ActorRolloutWorker:
@@ -92,6 +111,7 @@ class ActorRolloutWorker:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
         self.engine = make_engine(cfg, model_dir)
+        self._held_awake = False
         torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
         # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
         model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing,
@@ -120,8 +140,16 @@ class ActorRolloutWorker:
 
     # ---- rollout -------------------------------------------------------------------------------
 
+    def hold_engine_awake(self, awake: bool) -> None:
+        """Keep the engine awake across the generate calls of one rollout (a multi-turn loop calls once per turn:
+        one wake instead of one per turn, and vllm's prefix cache lives on between turns), or let it sleep."""
+        self._held_awake = awake
+        self.engine.wake() if awake else self.engine.sleep()
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """This rank's prompts (`prompt_index` counts from 0 within them); the driver offsets the indices."""
+        if self._held_awake:
+            return self.engine.generate(prompt_ids, params)
         self.engine.wake()
         try:
             return self.engine.generate(prompt_ids, params)

@@ -27,7 +27,9 @@ def touch_later(path):
 def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     data, reward, model = tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "model"
     tools, functions = tmp_path / "tools.yaml", tmp_path / "my_tools.py"
+    interactions = tmp_path / "interactions.yaml"
     tools.write_text("tools: []\n")
+    interactions.write_text("interaction: []\n")
     functions.write_text("def lookup(key: str) -> str:\n    return key\n")
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     reward.write_text("def compute_score(*a):\n    return 1.0\n")
@@ -35,7 +37,8 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     (model / "config.json").write_text("{}")
     cfg = load_config(None, ["data.source=file", f"data.path={data}", f"rl.reward.custom_path={reward}",
                              f"model.path={model}", f"rl.multi_turn.tool_config_path={tools}",
-                             f"rl.multi_turn.tool_functions=['{functions}:lookup']"])
+                             f"rl.multi_turn.tool_functions=['{functions}:lookup']",
+                             f"rl.multi_turn.interaction_config_path={interactions}"])
     before = keys(cfg, str(model))
     assert keys(cfg, str(model)) == before  # stable
 
@@ -55,7 +58,8 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     after_model = keys(cfg, str(model))
     assert {k for k in before if after_reward[k] != after_model[k]} == {"base", "sft", "rl", "eval"}
 
-    changes = ((tools, "tools: []\n# changed\n"), (functions, "def lookup(key: str) -> str:\n    return ''\n"))
+    changes = ((tools, "tools: []\n# changed\n"), (functions, "def lookup(key: str) -> str:\n    return ''\n"),
+               (interactions, "interaction: []\n# changed\n"))
     for tool_file, text in changes:
         previous = keys(cfg, str(model))
         tool_file.write_text(text)

@@ -14,6 +14,7 @@ from stages.batch import build_batch
 from stages.model.policy import TokenLogprobs
 from stages.rollout.base import SamplingParams
 from stages.rollout.cuda_engine import CudaRolloutEngine, batch_buckets
+from stages.rollout.prefix_cache import PrefixIndex, PrefixRouter
 from stages.rollout.sampling import restrict, sample_logits
 from tests.tolerances import greedy_margin
 
@@ -119,6 +120,59 @@ def test_update_weights_changes_outputs_like_the_model():
         engine.update_weights({"model.norm.weight": torch.ones(64)})
 
 
+def _next_turns(batch, outs, seed: int = 3) -> list[list[int]]:
+    """Each prompt + its reply + a few "tool" tokens: what a multi-turn loop sends next."""
+    g = torch.Generator().manual_seed(seed)
+    return [p + o.response_ids + torch.randint(4, VOCAB, (3,), generator=g).tolist() for p, o in zip(batch, outs)]
+
+
+def test_continued_prompts_reuse_parked_kv_and_equal_recomputation():
+    model = tiny_model()
+    cached = CudaRolloutEngine(model, EOS, max_num_seqs=6, max_model_len=64, sync_every=2, prefix_cache_rows=8)
+    plain = CudaRolloutEngine(model, EOS, max_num_seqs=6, max_model_len=64, sync_every=2)
+    batch = prompts(5)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=8, stop_token_ids=(-5,))
+    first = cached.generate(batch, greedy)
+    assert [o.response_ids for o in first] == [o.response_ids for o in plain.generate(batch, greedy)]
+    second = _next_turns(batch, first) + prompts(2, seed=9)  # five continuations and two new prompts, mixed
+    sampled = SamplingParams(n=2, temperature=0.0, max_tokens=8, stop_token_ids=(-5,))
+    got, want = cached.generate(second, sampled), plain.generate(second, sampled)
+    assert cached.stats["reused_tokens"] == sum(len(p) + len(o.response_ids) - 1 for p, o in zip(batch, first))
+    assert cached.stats["prefill_tokens"] == sum(map(len, second)) - cached.stats["reused_tokens"]
+    assert [o.response_ids for o in got] == [o.response_ids for o in want]
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_ATOL)
+
+
+def test_parked_kv_dropped_on_weight_update_and_oldest_first_when_full():
+    model = tiny_model()
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=64, prefix_cache_rows=2)
+    batch = prompts(3)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6, stop_token_ids=(-5,))
+    first = engine.generate(batch, greedy)  # three finish, two rows: one parked prefix is evicted
+    engine.generate(_next_turns(batch, first), greedy)
+    # all three finish in one round (6 tokens each), parked in slot order: the third evicts the first
+    assert engine.stats["reused_tokens"] == sum(len(p) + 5 for p in batch[1:])
+    again = engine.generate(batch, greedy)
+    engine.update_weights(model.state_dict())
+    engine.generate(_next_turns(batch, again), greedy)
+    assert engine.stats["reused_tokens"] == 0
+    with pytest.raises(ValueError, match="prefix_cache_rows=-1"):
+        CudaRolloutEngine(model, EOS, prefix_cache_rows=-1)
+
+
+def test_prefix_index_finds_the_longest_parked_prefix():
+    index = PrefixIndex(rows=3, max_len=32)
+    short, long = index.add([5, 6, 7]), index.add([5, 6, 7, 8, 9])
+    assert index.take([5, 6, 7, 8, 9, 10]) == (long, 5) and len(index) == 1
+    index.add([5, 6, 7, 8, 9])
+    assert index.take([5, 6, 7, 8, 9]) == (short, 3)  # an equal entry leaves nothing to compute: not taken
+    assert index.take([5, 6, 7, 8]) is None and index.take([4, 6, 7, 8, 9, 1]) is None and len(index) == 1
+    index.take([5, 6, 7, 8, 9, 1])
+    rows = [index.add([i, i + 1]) for i in range(4)]  # the fourth evicts the oldest
+    assert index.take([0, 1, 2]) is None and index.take([3, 4, 5]) == (rows[3], 2)
+
+
 def test_bad_requests_name_the_limit():
     engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=20)
     with pytest.raises(ValueError, match="max_model_len=20"):
@@ -183,6 +237,22 @@ def test_cuda_flash_bf16_logprobs_near_the_float32_trainer():
         assert gap.mean() < 0.03 and gap.max() < 0.3
     assert gaps["flash"].mean() < 2 * gaps["sdpa"].mean() + 0.005
     assert gaps["triton"].mean() < 2 * gaps["sdpa"].mean() + 0.005
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["triton", "flash"])
+def test_cuda_continuation_in_bf16_near_recomputation(attention):
+    """The flash path of a continued prompt (queries over the slot's cache) against recomputing it whole."""
+    model = tiny_model().to(torch.bfloat16).cuda()
+    kw = dict(max_num_seqs=16, max_model_len=64, attention=attention)
+    cached, plain = CudaRolloutEngine(model, EOS, prefix_cache_rows=16, **kw), CudaRolloutEngine(model, EOS, **kw)
+    batch = prompts(9)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=12, stop_token_ids=(-5,))
+    second = _next_turns(batch, cached.generate(batch, params))
+    got, want = cached.generate(second, params), plain.generate(second, params)
+    assert cached.stats["reused_tokens"] > 0
+    first_gap = torch.tensor([a.logprobs[0] - b.logprobs[0] for a, b in zip(got, want)]).abs()
+    assert first_gap.max() < 0.1  # bf16 rounding of K/V made in decode vs in prefill (a wrong position: ~1)
 
 
 def _triton_device() -> str | None:
@@ -252,3 +322,32 @@ def test_triton_write_kv_puts_each_row_at_its_position():
     expected[0, torch.arange(4), positions.cpu()] = k.cpu()
     expected[1, torch.arange(4), positions.cpu()] = v.cpu()
     assert torch.equal(cache.cpu(), expected)
+
+
+def test_router_sends_a_continuation_to_the_engine_that_parked_it():
+    from stages.rollout.base import RolloutOutput
+
+    router = PrefixRouter(engines=2, rows_per_engine=4, max_len=64)
+    first = [[5, 6], [7, 8], [9, 10], [11, 12]]
+    shards = router.shards(first)
+    assert sorted(map(len, shards)) == [2, 2] and sorted(sum(shards, [])) == [0, 1, 2, 3]
+    results = [[RolloutOutput(k, [40 + rows[k], 2], [0.0, 0.0], "stop") for k in range(len(rows))] for rows in shards]
+    router.record(shards, first, results)
+    engine_of = {i: g for g, rows in enumerate(shards) for i in rows}
+    later = [first[3] + [43, 2, 99], [1, 2, 3], first[0] + [40, 2, 99], first[1] + [41, 2, 99]]
+    routed = router.shards(later)
+    assert 0 in routed[engine_of[3]] and 2 in routed[engine_of[0]] and 3 in routed[engine_of[1]]
+    assert sorted(sum(routed, [])) == [0, 1, 2, 3]
+
+
+def test_prefix_reuse_is_on_by_default_for_multi_turn_runs_only():
+    from infra.config import load_config
+    from stages.workers.actor_rollout import prefix_cache_rows, prefix_router
+
+    tools = "rl.multi_turn.tool_config_path=recipes/tools/calculator.yaml"
+    assert prefix_cache_rows(load_config(None, [])) == 0
+    cfg = load_config(None, [tools, "rl.rollout.engine=cuda"])
+    assert prefix_cache_rows(cfg) == cfg.rl.rollout.max_num_seqs
+    assert prefix_cache_rows(load_config(None, [tools, "rl.rollout.prefix_cache_rows=0"])) == 0
+    assert prefix_router(cfg, engines=1) is None and isinstance(prefix_router(cfg, engines=2), PrefixRouter)
+    assert prefix_router(load_config(None, [tools]), engines=2) is None  # vllm keeps its own prefix cache

@@ -134,24 +134,46 @@ def test_too_many_calls_and_long_answers_are_cut(tokenizer):
     assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "right").startswith("a")
 
 
+class Slow(BaseTool):
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    @classmethod
+    def default_schema(cls):
+        return ToolSchema(function={"name": "slow", "description": "slow",
+                                    "parameters": {"type": "object", "properties": {}}})
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(self.delay_s)
+        return ToolResponse("slow answer")
+
+
+SLOW = '<tool_call>{"name": "slow", "arguments": {}}</tool_call>'
+
+
 def test_samples_waiting_for_tools_overlap_the_others_generation(tokenizer):
     """Sample 0's tool takes 0.3 s; meanwhile sample 1 goes on through several turns (batched calls of 1)."""
-
-    class Slow(BaseTool):
-        @classmethod
-        def default_schema(cls):
-            return ToolSchema(function={"name": "slow", "description": "slow",
-                                        "parameters": {"type": "object", "properties": {}}})
-
-        async def execute(self, instance_id, parameters, **kwargs):
-            await asyncio.sleep(0.3)
-            return ToolResponse("slow answer")
-
-    slow = '<tool_call>{"name": "slow", "arguments": {}}</tool_call>'
-    [a, b], script, _ = run(tokenizer, {0: [slow, "done"], 1: [CALL % "1+1"] * 3 + ["done"]},
-                            tools={"slow": Slow()}, max_assistant_turns=10, max_user_turns=10, max_tokens=400)
+    [a, b], script, _ = run(tokenizer, {0: [SLOW, "done"], 1: [CALL % "1+1"] * 3 + ["done"]},
+                            tools={"slow": Slow(0.3)}, max_assistant_turns=10, max_user_turns=10, max_tokens=400)
     assert a.finish_reason == b.finish_reason == "stop" and b.num_turns == 4
     assert script.batches[0] == 2 and script.batches.count(1) >= 3  # sample 1's turns ran while 0 waited
+
+
+def test_next_call_waits_briefly_for_samples_back_from_their_tools(tokenizer, monkeypatch):
+    """Engine calls of 0.4 s: sample 0's tool answers at once, sample 1's after 20 ms, far within the linger
+    (half the last call): both second turns go in one call, not two calls one after the other."""
+    original = Script.__call__
+
+    def slow_call(self, prompt_ids, params):
+        import time
+
+        time.sleep(0.4)
+        return original(self, prompt_ids, params)
+
+    monkeypatch.setattr(Script, "__call__", slow_call)
+    [a, b], script, _ = run(tokenizer, {0: [CALL % "1+1", "done"], 1: [SLOW, "done"]}, tools={"slow": Slow(0.02)})
+    assert script.batches == [2, 2] and a.num_turns == b.num_turns == 2
 
 
 def test_engine_failure_reaches_every_trajectory():
@@ -159,7 +181,7 @@ def test_engine_failure_reaches_every_trajectory():
         raise RuntimeError("engine died")
 
     async def main():
-        engine = BatchedEngine(broken, SamplingParams())
+        engine = BatchedEngine(broken, SamplingParams(), live=2)
         server = asyncio.create_task(engine.serve())
         with pytest.raises(RuntimeError, match="engine died"):
             await asyncio.gather(engine.generate([1], 4), engine.generate([2], 4))

@@ -220,6 +220,13 @@ def test_single_turn_runs_write_no_turns_and_the_view_is_empty_but_typed(local):
     assert columns["role"] == "VARCHAR" and columns["turn"] == "BIGINT" and columns["step"] == "BIGINT"
 
 
+def test_a_redone_step_without_turns_removes_the_earlier_attempts_turns(local):
+    tables = RunTables(local, "run-a")
+    tables.write_turns(2, [{"group_id": "2-0", "sample_index": 0, "turn": 0, "role": "assistant", "text": "x"}])
+    tables.write_turns(2, [])
+    assert sql.query(local, "SELECT count(*) AS n FROM turns") == [{"n": 0}]
+
+
 def test_turn_columns_keep_their_types_when_a_step_has_only_nones(local):
     tables = RunTables(local, "run-a")
     tables.write_turns(1, [{"group_id": "1-0", "sample_index": 0, "turn": 1, "role": "tool", "text": "error: bad json",
