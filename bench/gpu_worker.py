@@ -69,7 +69,7 @@ def recipe(args, model_dir: str, world: int) -> list[str]:
             "rl.enabled=true", "rl.rollout.engine=cuda", f"rl.rollout.n={4 if quick else 8}",
             f"rl.rollout.max_num_seqs={args.prompts * (4 if quick else 8)}", "rl.rollout.temperature=1.0",
             f"rl.train_batch_size={prompts}", f"rl.actor.ppo_mini_batch_size={prompts // args.minis}",
-            "rl.actor.use_dynamic_bsz=true", "rl.actor.max_token_len_per_device=24576", "rl.actor.lr=1e-6",
+            "rl.actor.use_dynamic_bsz=true", "rl.actor.max_token_len_per_device=24576", "rl.actor.optim.lr=1e-6",
             "rl.actor.use_kl_loss=false", "rl.algorithm.adv_estimator=grpo", "rl.rollout.logprob_check_tol=1.0",
             f"ray.num_devices_per_node={world}", *args.set]
 

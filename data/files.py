@@ -16,6 +16,9 @@ A file (or a folder of files) is read in one of two layouts, detected from its c
 A folder where some file names hold the word test/validation/valid/val/dev/eval keeps that split (those
 files are the validation split, all others the training split); any other file or folder is split by
 `data.validation_fraction` with the run's seed.
+
+`with_interaction` attaches a simulated user to any recipe's rows (`data.interaction`), as verl's
+`examples/data_preprocess/gsm8k_multiturn_w_interaction.py` does for GSM8K.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ VALIDATION_WORDS = {"test", "validation", "valid", "val", "dev", "eval"}
 VERL_COLUMNS = ("prompt", "reward_model")
 EXTRA_INFO_KEYS = ("split", "index", "question", "answer")  # written by data_prep; others pass through
 NUMBER = re.compile(r"-?[0-9][0-9,]*(\.[0-9]+)?")
+TOOL_LOOP = "tool_agent"  # the agent loop (stages/agent/tool_loop.py) that runs tools and simulated users
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,26 @@ def load_local(path: Path, convert: Convert, cfg: DataConfig, seed: int) -> Spli
     else:
         train, validation = converted["train"], converted["validation"]
     return Splits(train, validation, skipped)
+
+
+def with_interaction(examples: list[Example], name: str | None) -> list[Example]:
+    """The rows with the simulated user `name` (`data.interaction`; None: unchanged), as verl's GSM8K interaction
+    preprocessing writes them: `extra_info.interaction_kwargs = {name, query, ground_truth}` (query: the last user
+    message of the prompt, instruction included), which the interaction reads (Gsm8kInteraction checks the model's
+    `#### N` against ground_truth), and agent_name `tool_agent`, the loop that runs interactions. A row that names
+    a loop of its own (a user's AgentLoop) keeps it, and a row that already has interaction_kwargs (verl-format
+    input) keeps them."""
+    if name is None:
+        return examples
+    out = []
+    for e in examples:
+        agent_name = e.agent_name if e.agent_name not in (None, "single_turn") else TOOL_LOOP
+        extra = e.extra
+        if not extra.get("interaction_kwargs"):
+            kwargs = {"name": name, "query": last_user_content(e.prompt), "ground_truth": e.ground_truth}
+            extra = {**extra, "interaction_kwargs": kwargs}
+        out.append(replace(e, agent_name=agent_name, extra=extra))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

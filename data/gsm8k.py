@@ -7,6 +7,9 @@ annotations (`<<48/2=24>>`) included, as in verl's SFT recipe. GSM8K's `test` sp
 
 `data.gsm8k_path` is a local file or folder (read here, with row locations for bad-row messages), else a
 hub dataset id loaded with `datasets.load_dataset(path, "main")`.
+
+With `data.interaction=gsm8k` the RL rows are those of verl's `gsm8k_multiturn_w_interaction.py` (tool_agent,
+`interaction_kwargs` {name, query, ground_truth}; data/files.py `with_interaction`), without its system prompt.
 """
 
 from __future__ import annotations

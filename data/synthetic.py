@@ -29,6 +29,8 @@ demo uses it so that RL has a behaviour to learn (see README, "make demo").
 
 and the rest answer `#### N` directly, which a tiny model gets wrong for large operands: RL can learn that
 calling the tool pays.
+
+`data.interaction` puts a simulated user on either task's RL rows (data/files.py `with_interaction`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,11 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from data.files import Example, Splits
+from data.files import TOOL_LOOP, Example, Splits
 from infra.config import DataConfig, SyntheticTaskConfig
 
 DATA_SOURCE = "synthetic/arithmetic"
 TOOL_DATA_SOURCE = "synthetic/calculator"
-TOOL_LOOP = "tool_agent"
 APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 

@@ -1,6 +1,7 @@
 """The post-training flow: data prep -> base model -> SFT -> RL -> merge -> evaluation of each model -> report.
 
 Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...] [--refresh-cache] [--verbose]
+         [--verl VERL_KEY=VALUE ...]   (verl's Hydra overrides, mapped by infra/verl_overrides.py; all after --verl)
 
 The flow only sequences stages; each stage is a cached Prefect task (see tasks/stages.py), so a second
 run with the same config is all cache hits, and a run after a failure re-runs only what did not finish.
@@ -28,6 +29,8 @@ prefect_env.configure()
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
+from infra import verl_overrides  # noqa: E402
+from infra.artifacts import ArtifactRef  # noqa: E402
 from infra.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
 from infra.console import RunConsole, hide_chatter  # noqa: E402
 from infra.orphans import crash_orphans, mark_ended, record_process, run_scratch  # noqa: E402
@@ -52,12 +55,18 @@ def start_run(cfg: Config) -> RunContext:
     run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
     run_dir = Path(cfg.run.output_dir).resolve() / "runs" / run_id
     run_dir.mkdir(parents=True)  # exists already: not this run's folder, never write into it
+    ctx = RunContext(run_id=run_id, run_dir=str(run_dir))
+    save_config(cfg, ctx)
+    return ctx
+
+
+def save_config(cfg: Config, ctx: RunContext) -> None:
+    """The resolved config as config.yaml in the run folder and in the store (runs/<run_id>/)."""
     text = to_yaml(cfg)
-    (run_dir / "config.yaml").write_text(text)
+    (Path(ctx.run_dir) / "config.yaml").write_text(text)
     store = open_store(cfg)
     store.check()
-    store.write_bytes(f"runs/{run_id}/config.yaml", text.encode())
-    return RunContext(run_id=run_id, run_dir=str(run_dir))
+    store.write_bytes(f"runs/{ctx.run_id}/config.yaml", text.encode())
 
 
 @flow(name="post-train")
@@ -82,6 +91,7 @@ def _post_train(cfg: Config, ctx: RunContext) -> dict:
                                      "(killed?): %s", len(crashed), ", ".join(crashed))
         stages = StageLog(cfg, console)
         dataset = stages.run("data-prep", data_prep_task, cfg, ctx)
+        cfg = stages.cfg = counted_rows(cfg, dataset, ctx, console)
         base_model = stages.run("base-model", base_model_task, cfg, dataset, ctx)
         models, checkpoint = {"base": base_model}, None
         if cfg.sft.enabled:
@@ -97,6 +107,19 @@ def _post_train(cfg: Config, ctx: RunContext) -> dict:
         console.line(summary_table(results, stages.states) + (f"\n\nrun report: {report}" if report else ""))
     return {"run_id": ctx.run_id, "run_dir": ctx.run_dir, "results": results, "stages": stages.states,
             "report": report}
+
+
+def counted_rows(cfg: Config, dataset: str, ctx: RunContext, console: RunConsole) -> Config:
+    """What waited for the training rows' count (rl.total_steps from verl's trainer.total_epochs) is set now, and
+    config.yaml is written again with it."""
+    if not verl_overrides.pending(cfg):
+        return cfg
+    rows = open_store(cfg).manifest(ArtifactRef.parse(dataset)).metadata["stats"]["num_train"]
+    cfg, lines = verl_overrides.resolve_after_data_prep(cfg, rows)
+    for line in lines:
+        console.line(f"verl: {line}")
+    save_config(cfg, ctx)
+    return cfg
 
 
 class StageLog:
@@ -138,20 +161,29 @@ def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """-> (recipe, overrides). `--verbose` becomes the override tracking.console=verbose, so that it reaches the
-    flow as a parameter like any other (a deployment's run sets it the same way, in `overrides`)."""
-    args = [a for a in argv if a not in ("--refresh-cache", "--verbose")]
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """-> (recipe, overrides, verl overrides: every argument after `--verl`). `--verbose` becomes the override
+    tracking.console=verbose, so that it reaches the flow as a parameter like any other (a deployment's run sets it
+    the same way, in `overrides`); it and `--refresh-cache` may stand anywhere, after `--verl` too."""
+    flags = ("--refresh-cache", "--verbose")
+    args = [a for a in argv if a not in flags]
+    split = args.index("--verl") if "--verl" in args else len(args)
+    args, verl = args[:split], args[split + 1:]
     recipe = args[0] if args and "=" not in args[0] else None
     overrides = (args[1:] if recipe else args) + (["tracking.console=verbose"] if "--verbose" in argv else [])
-    return recipe, overrides
+    return recipe, overrides, verl
 
 
 def main(argv: list[str]) -> int:
-    recipe, overrides = parse_args(argv)
+    recipe, overrides, verl = parse_args(argv)
     if "--refresh-cache" in argv:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     try:
+        if verl:
+            translation = verl_overrides.translate(recipe, overrides, verl)
+            print("verl overrides -> this project's (README 'From verl'):\n  " + "\n  ".join(translation.lines),
+                  flush=True)
+            overrides = translation.overrides
         cfg = load_config(recipe, overrides)  # fail fast, before Prefect starts, on a bad recipe or override
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

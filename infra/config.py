@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from infra.redact import redact, url_credential_fields
-from infra.rl_config import RLConfig
+from infra.rl_config import OptimConfig, RLConfig
 
 
 class ConfigError(ValueError):
@@ -37,6 +37,12 @@ class RunConfig(Section):
     name: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Run name; used in run folders.")
     seed: int = Field(0, ge=0, description="Global seed: data generation, model init, sampling.")
     output_dir: str = Field("outputs", min_length=1, description="Local folder for run folders and Prefect state.")
+    source_overrides: dict[str, list[str]] = Field(
+        default_factory=dict, description="A record of the overrides given in verl's keys (`--verl KEY=VALUE`, "
+        "infra/verl_overrides.py), each with the overrides of this config it became ([]: none). The run reads the "
+        "fields themselves; the flow reads this only to turn verl's trainer.total_epochs into rl.total_steps once "
+        "the training rows are counted (until then the entry reads `rl.total_steps=<after data prep: ...>`)."
+    )
 
 
 class SyntheticTaskConfig(Section):
@@ -87,6 +93,12 @@ class DataConfig(Section):
         "error", description="Prompts still over max_prompt_length: error, or keep the right/left part."
     )
     bad_rows: Literal["error", "skip"] = Field("error", description="Malformed rows: fail, or skip and count.")
+    interaction: str | None = Field(
+        None, min_length=1, description="A simulated user for every RL row (train and validation): its name in "
+        "rl.multi_turn.interaction_config_path. Rows get agent_name tool_agent and extra_info.interaction_kwargs "
+        "{name, query, ground_truth}, as verl's gsm8k interaction preprocessing; rows that already have "
+        "interaction_kwargs keep theirs. None: none added."
+    )
 
 
 class TinyModelConfig(Section):
@@ -128,20 +140,12 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Passed to transformers for hub models.")
 
 
-class OptimConfig(Section):
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("cosine", description="After warmup.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay, as a share of lr.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+class SFTOptimConfig(OptimConfig):
+    """The optimizer section with SFT's defaults (same fields as rl.actor.optim)."""
 
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> OptimConfig:
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas={list(self.betas)}: each must be in [0, 1)")
-        return self
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("cosine", description="After warmup.")
 
 
 class SFTConfig(Section):
@@ -149,7 +153,7 @@ class SFTConfig(Section):
     epochs: int = Field(3, gt=0)
     train_batch_size: int = Field(32, gt=0, description="Global batch (sequences per optimizer step).")
     micro_batch_size: int = Field(16, gt=0, description="Per-device sequences per forward/backward.")
-    optim: OptimConfig = Field(default_factory=OptimConfig)
+    optim: SFTOptimConfig = Field(default_factory=SFTOptimConfig)
     val_freq: int = Field(0, ge=0, description="Validation loss every N steps (0: once per epoch).")
     save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end of each epoch).")
     max_ckpt_to_keep: int = Field(2, gt=0)
@@ -204,13 +208,23 @@ class StorageConfig(Section):
 
 
 class TrackingConfig(Section):
-    backends: list[Literal["console", "jsonl", "wandb"]] = Field(["console", "jsonl"], description="Sinks.")
+    backends: list[Literal["console", "jsonl", "wandb", "prometheus"]] = Field(
+        ["console", "jsonl"], description="Sinks. prometheus: an HTTP endpoint (/metrics) with the latest step's "
+        "metrics while a stage runs (infra/tracking.py PrometheusBackend)."
+    )
     project: str = Field("rlpipe", min_length=1, description="wandb project.")
     wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="WANDB_MODE.")
     log_freq: int = Field(10, gt=0, description="Console/metrics logging every N steps.")
     console: Literal["quiet", "verbose"] = Field(
         "quiet", description="quiet: the console shows stage lines, progress bars, our warnings and every error; "
         "Prefect, Ray, vLLM and INFO logs go to log files in the run folder. verbose: all of it on the console too."
+    )
+    prometheus_host: str = Field(
+        "127.0.0.1", min_length=1, description="Address the Prometheus endpoint listens on; 0.0.0.0 or :: for "
+        "every interface (it has no authentication: only on a trusted network)."
+    )
+    prometheus_port: int = Field(
+        9464, ge=0, le=65535, description="Port of the Prometheus endpoint; 0: a free port, printed with the URL."
     )
 
 
@@ -251,6 +265,14 @@ class Config(Section):
             raise ValueError(f"{', '.join(fields)} holds a URL with a password; remove the user:password@ part and "
                              "give credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
                              "for S3), which is never saved")
+        return self
+
+    @model_validator(mode="after")
+    def _interaction_is_configured(self) -> Config:
+        if self.data.interaction and not self.rl.multi_turn.interaction_config_path:
+            raise ValueError(f"data.interaction={self.data.interaction!r} names a simulated user, but "
+                             "rl.multi_turn.interaction_config_path is not set: give the interaction YAML (e.g. "
+                             "recipes/interactions/gsm8k.yaml), or drop data.interaction")
         return self
 
     @model_validator(mode="after")
@@ -299,15 +321,33 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def apply_override(tree: dict, path: list[str], value: Any) -> None:
+    """Set `path` to `value` in the raw tree. Variants (infra/algorithms.py) are named by a string or a section
+    with `name`: a parameter set under a name turns it into {name: ...}; a name set where a variant section
+    stands keeps the section when the name is the same and replaces it when not (another variant's parameters
+    would not fit)."""
     node = tree
     for i, part in enumerate(path[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, str) and _is_variant(path[: i + 1]):
+            child = node[part] = {"name": child}
         if not isinstance(child, dict):
             raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section")
         node = child
+    current = node.get(path[-1])
+    if isinstance(value, str) and isinstance(current, dict) and _is_variant(path):
+        if current.get("name", value) == value:  # the same variant, or parameters waiting for their name
+            current["name"] = value
+            return
     node[path[-1]] = value
+
+
+VARIANT_PATHS = {("rl", "algorithm", "adv_estimator"), ("rl", "actor", "policy_loss")}
+
+
+def _is_variant(path: list[str]) -> bool:
+    return tuple(path) in VARIANT_PATHS
 
 
 def _allowed_fields(loc: tuple) -> list[str]:
@@ -321,6 +361,15 @@ def _allowed_fields(loc: tuple) -> list[str]:
     return sorted(model.model_fields) if model else []
 
 
+def _variant_model(path: tuple, name: str) -> type[BaseModel]:
+    """The variant class called `name` of the union at `path` (e.g. rl.algorithm.adv_estimator, 'gae')."""
+    model: Any = Config
+    for part in path[:-1]:
+        model = next(_annotation_models(model.model_fields[part].annotation))
+    members = _annotation_models(model.model_fields[path[-1]].annotation)
+    return next(m for m in members if m.model_fields["name"].default == name)
+
+
 def _annotation_models(annotation: Any):
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         yield annotation
@@ -330,9 +379,15 @@ def _annotation_models(annotation: Any):
 
 def _format_error(err: dict) -> str:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-after", "tagged"))))
+    variant = loc[3] if loc[:3] in VARIANT_PATHS and len(loc) > 4 else None
+    if variant is not None:  # the tag pydantic puts after a variant's path: not a key of the tree
+        loc = loc[:3] + loc[4:]
     key = ".".join(str(p) for p in loc) or "<root>"
     value = err.get("input")
     if err["type"] == "extra_forbidden":
+        if variant is not None:
+            allowed = ", ".join(sorted(_variant_model(loc[:3], variant).model_fields))
+            return f"unknown key {key!r} (value {redact(repr(value))}); {loc[2]} {variant!r} takes: {allowed}"
         allowed = _allowed_fields(loc[:-1])
         return f"unknown key {key!r} (value {redact(repr(value))}); allowed here: {', '.join(allowed)}"
     message = err["msg"].removeprefix("Value error, ")

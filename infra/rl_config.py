@@ -11,23 +11,39 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.algorithms import GRPO, AdvEstimator, PolicyLoss, Vanilla, as_variant
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class _Optim(_Section):
-    """Optimizer fields shared by actor and critic (flat, so paths stay three levels deep)."""
+class OptimConfig(_Section):
+    """The one optimizer section (AdamW + LR schedule): rl.actor.optim, rl.critic.optim and sft.optim. The class
+    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in infra/config.py)."""
 
     lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup over this many optimizer steps.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("constant")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many schedule steps (RL: "
+                              "training steps, one per RL step; SFT: optimizer steps).")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("constant", description="After warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay, as a share of lr.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={list(self.betas)}: each must be in [0, 1)")
+        return self
+
+
+class TrainerConfig(_Section):
+    """Fields of a trained model's update loop, shared by actor and critic."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig)
     micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward on one device.")
     use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead.")
     max_token_len_per_device: int = Field(4096, gt=0, description="Token budget per micro-batch (dynamic).")
@@ -40,18 +56,21 @@ class _Optim(_Section):
         None, description="FSDP2: reduce-scatter gradients after every micro-batch (least memory), or once per "
         "mini-batch (fewer collectives; unsharded gradients kept in between). None: as reshard_after_forward.")
 
-    def optim(self):
-        """This section's optimizer fields as the shared `OptimConfig`."""
-        from infra.config import OptimConfig
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_fields_moved(cls, data):
+        moved = sorted(set(OptimConfig.model_fields) & set(data)) if isinstance(data, dict) else []
+        if moved:
+            raise ValueError(f"{', '.join(moved)} moved into the optimizer section: write optim.{moved[0]} "
+                             f"(e.g. rl.actor.optim.{moved[0]}, as verl's actor.optim.{moved[0]})")
+        return data
 
-        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
-                           warmup_steps=self.warmup_steps, lr_scheduler=self.lr_scheduler,
-                           min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip)
 
-
-class ActorConfig(_Optim):
+class ActorConfig(TrainerConfig):
     ppo_mini_batch_size: int = Field(16, gt=0, description="Prompts per optimizer step (global; x n samples).")
-    policy_loss: str = Field("vanilla", description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov.")
+    policy_loss: PolicyLoss = Field(
+        default_factory=Vanilla, description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov, a name or {name: ..., "
+        "its parameters} (infra/algorithms.py).")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         Field("token-mean", description="How token losses become the batch loss.")
     )
@@ -73,9 +92,13 @@ class ActorConfig(_Optim):
         None, gt=0, description="Tokens per chunk of the vocabulary projection (logits never exist for the whole "
         "micro-batch: chunk x vocab values at a time). None: 8192 with CUDA, 1024 on CPU.")
 
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _policy_loss_name(cls, value):
+        return as_variant(value, "vanilla")
 
-class CriticConfig(_Optim):
-    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the value model.")
+
+class CriticConfig(TrainerConfig):
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping range.")
     warmup_steps_before_actor: int = Field(0, ge=0, description="Critic-only steps before the actor trains.")
 
@@ -108,13 +131,24 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: str = Field(
-        "grpo", description="gae | grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
-        "remax | opo | gpg | grpo_passk."
-    )
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    norm_adv_by_std_in_grpo: bool = Field(True, description="false: Dr.GRPO (no std normalisation).")
+    adv_estimator: AdvEstimator = Field(
+        default_factory=GRPO, description="gae | grpo | dr_grpo | rloo | reinforce_plus_plus | "
+        "reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk, a name or {name: ..., its parameters} "
+        "(gamma, lam, norm_adv_by_std_in_grpo, epsilon where the estimator has them; infra/algorithms.py).")
+    @field_validator("adv_estimator", mode="before")
+    @classmethod
+    def _estimator_name(cls, value):
+        return as_variant(value, "grpo")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_fields_moved(cls, data):
+        moved = sorted({"gamma", "lam", "norm_adv_by_std_in_grpo"} & set(data)) if isinstance(data, dict) else []
+        if moved:
+            raise ValueError(f"{', '.join(moved)} moved into the estimator's section: write "
+                             f"rl.algorithm.adv_estimator.{moved[0]} (only estimators that use it accept it)")
+        return data
+
     use_kl_in_reward: bool = Field(False, description="Subtract beta * KL(old || ref) from token rewards.")
     kl_penalty: str = Field("kl", description="KL estimator for the in-reward penalty.")
     kl_ctrl_type: Literal["fixed", "adaptive"] = Field("fixed")
@@ -211,21 +245,17 @@ class RLConfig(_Section):
 
     @model_validator(mode="after")
     def _names_exist(self) -> RLConfig:
-        from stages.core import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+        from stages.core import KL_ESTIMATORS
 
-        for field, value, registry in (
-            ("algorithm.adv_estimator", self.algorithm.adv_estimator, ADV_ESTIMATORS),
-            ("actor.policy_loss", self.actor.policy_loss, POLICY_LOSSES),
-            ("actor.kl_loss_type", self.actor.kl_loss_type, KL_ESTIMATORS),
-            ("algorithm.kl_penalty", self.algorithm.kl_penalty, KL_ESTIMATORS),
-        ):
-            if value not in registry:
-                raise ValueError(f"{field}={value!r} is unknown; valid: {', '.join(sorted(registry.keys()))}")
+        for field, value in (("actor.kl_loss_type", self.actor.kl_loss_type),
+                             ("algorithm.kl_penalty", self.algorithm.kl_penalty)):
+            if value not in KL_ESTIMATORS:
+                raise ValueError(f"{field}={value!r} is unknown; valid: {', '.join(sorted(KL_ESTIMATORS.keys()))}")
         return self
 
     @property
     def uses_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return self.algorithm.adv_estimator.needs_critic
 
     @property
     def uses_reference(self) -> bool:

@@ -161,7 +161,8 @@ class ArtifactStore:
         elif isinstance(exc, _TIMEOUTS):
             fix = (f"the endpoint did not answer in {limits.max_attempts} attempts of storage.timeout_s="
                    f"{limits.timeout_s:g} s ({stall_bound_s(limits):.0f} s at most without upload): check that the "
-                   "S3 server is up and not overloaded and that nothing on the way holds connections open; on a slow link raise "
+                   "S3 server is up and not overloaded and that nothing on the way holds connections open; on a slow "
+                   "link raise "
                    f"storage.timeout_s or lower storage.min_upload_mib_s={limits.min_upload_mib_s:g}")
         else:
             fix = "start the storage server or correct storage.endpoint_url/storage.root"

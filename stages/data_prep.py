@@ -8,6 +8,9 @@
   `extra_info` struct<split: string, index: int64, question: string, answer: string, ...>;
 - an `agent_name` string column (verl's: the row's agent loop, stages/agent) when a recipe sets one; its tools'
   per-row arguments go in `extra_info.tools_kwargs` (`{tool: {"create_kwargs": {...}}}`);
+- with `data.interaction` (a simulated user's name, any source), every RL row of both splits on `tool_agent` with
+  `extra_info.interaction_kwargs = {name, query, ground_truth}` (verl's gsm8k interaction preprocessing;
+  `data.files.with_interaction`); the SFT splits are unchanged;
 - `sft_train.parquet`, `sft_validation.parquet`: `prompt` (same chat list) and `response` string (the
   train split's rows plus any SFT-only rows of the recipe, e.g. the synthetic task's shortcut answers), and
   when a recipe has multi-turn targets a `turns` chat list (the assistant and tool messages after the prompt;
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.files import Example, Splits, load_files
+from data.files import Example, Splits, load_files, with_interaction
 from data.gsm8k import load_gsm8k
 from data.synthetic import load_synthetic
 from infra.config import DataConfig
@@ -80,10 +83,11 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     for name, rows in (("train", train), ("validation", validation)):
         if not rows:
             raise ValueError(f"data.source={cfg.source}: the {name} split is empty; check the input or its bad rows")
-    schema = rl_schema(train + validation)
+    rl_train, rl_validation = with_interaction(train, cfg.interaction), with_interaction(validation, cfg.interaction)
+    schema = rl_schema(rl_train + rl_validation)
     tables = {
-        "train.parquet": rl_table(train, "train", schema),
-        "validation.parquet": rl_table(validation, "validation", schema),
+        "train.parquet": rl_table(rl_train, "train", schema),
+        "validation.parquet": rl_table(rl_validation, "validation", schema),
         "sft_train.parquet": sft_table(train + _about(splits.sft_extra, train)),
         "sft_validation.parquet": sft_table(validation),
     }
@@ -96,6 +100,7 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
         "num_train_dropped_by_cap": train_dropped,
         "num_validation_dropped_by_cap": validation_dropped,
         "data_sources": dict(Counter(e.data_source for e in train + validation)),
+        "interaction": cfg.interaction,
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

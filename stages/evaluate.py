@@ -194,7 +194,7 @@ def _samples(rollout: Rollout, prompts, rows: list[int], params: SamplingParams,
              "prompt": prompts.prompts[t.prompt_index][-1]["content"], "response": t.text,
              "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "reward_error": error,
              "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
-            for t, score, error in zip(trajectories, scored.scores, scored.result.errors)]
+            for t, score, error in zip(trajectories, scored.result.scores, scored.result.errors)]  # no tool rewards
 
 
 def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:

@@ -81,6 +81,7 @@ class RLResult:
     checkpoint: ArtifactRef  # the final step's checkpoint; stages.merge turns it into an HF folder
     num_steps: int
     final_metrics: dict[str, float]
+    automatic: dict[str, object]  # the automatic (None) settings as the workers decided them, by dotted key
 
 
 def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoints, tables: RunTables,
@@ -102,7 +103,7 @@ def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoin
                            f"{type(checkpoints).__name__}.save must keep it")
     logger.info("rl: %d steps, final checkpoint %s; make a model of it with "
                 "`python -m stages.merge [--root STORE] --checkpoint %s --out DIR`", trainer.step, ref, ref)
-    return RLResult(ref, trainer.step, metrics)
+    return RLResult(ref, trainer.step, metrics, trainer.automatic)
 
 
 class StepTimer:
@@ -139,6 +140,7 @@ class RLTrainer:
         except BaseException:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
+        self.automatic = self._automatic_settings()
         self.rewards = RewardPool(self.rl.reward)
         self.prefix_router = prefix_router(cfg, self.world_size // self.rl.rollout.tensor_model_parallel_size)
         self.rollout = Rollout(self.engine_generate, self.tokenizer, self.rewards, tools, multi_turn, interactions)
@@ -249,9 +251,18 @@ class RLTrainer:
         batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
         with timer("reward"):
             self.score(batch, self.rollout.score(self.train, indices, trajectories))
-            if self.rl.algorithm.adv_estimator == "remax":
+            if self.rl.algorithm.adv_estimator.needs_greedy_baseline:
                 batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
         return batch
+
+    def _automatic_settings(self) -> dict[str, object]:
+        """The settings left to the workers (None in the config), as rank 0 of each role decided them; logged."""
+        decided = dict(self.actor.call_one("automatic_settings"))
+        if self.critic:
+            decided |= self.critic.call_one("automatic_settings")
+        if decided:
+            logger.info("rl: automatic settings: %s", ", ".join(f"{k}={v}" for k, v in decided.items()))
+        return decided
 
     @contextmanager
     def engines_awake(self):
@@ -361,9 +372,8 @@ class RLTrainer:
         inputs = AdvantageInputs(token_level_rewards=t["token_level_rewards"], response_mask=mask,
                                  index=batch.meta["group_id"], values=t.get("values"),
                                  reward_baselines=t.get("reward_baselines"))
-        t["advantages"], t["returns"] = compute_advantages(
-            alg.adv_estimator, inputs, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        estimator = alg.adv_estimator
+        t["advantages"], t["returns"] = compute_advantages(estimator.name, inputs, **estimator.params())
         return metrics
 
     # ---- metrics, validation -----------------------------------------------------------------------
@@ -414,7 +424,7 @@ class RLTrainer:
         rows = list(range(num))
         with self.engines_awake():
             trajectories = self.rollout.run(self.val, rows, params)
-        scores = self.rollout.score(self.val, rows, trajectories).scores
+        scores = self.rollout.score(self.val, rows, trajectories).result.scores  # correctness: no tool rewards
         return [{"prompt_index": t.prompt_index, "data_source": self.val.data_sources[t.prompt_index], "score": s,
                  "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),
                  "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}

@@ -161,7 +161,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     entropy (token mean, from the old-logprob pass; verl's actor/entropy)."""
     t, mask = batch.tensors, batch.response_mask
     lengths = mask.sum(-1).float()
-    prompt_lengths = t["attention_mask"].sum(-1).float() - lengths
+    prompt_lengths = t["attention_mask"][:, : -batch.num_response_tokens].sum(-1).float()  # tool tokens: response
     metrics = {}
     for name, values in (("critic/score", t["scores"]), ("critic/rewards", t["token_level_rewards"].sum(-1))):
         metrics.update(_stats(name, values.float()))

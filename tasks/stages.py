@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from infra import prefect_env
 
 prefect_env.configure()
@@ -28,7 +30,7 @@ from prefect.settings import get_current_settings  # noqa: E402
 
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
-from infra.config import Config, config_hash  # noqa: E402
+from infra.config import Config, apply_override, config_hash  # noqa: E402
 from infra.lease import stage_lease  # noqa: E402
 from infra.orphans import SCRATCH  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
@@ -136,6 +138,22 @@ def _eval_sections(cfg: Config) -> tuple:
             content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
 
 
+def record_automatic_settings(store: ArtifactStore, ctx: RunContext, decided: dict[str, object]) -> None:
+    """Write the settings the workers decided (None = automatic in the recipe) into the run's config.yaml, in the
+    run folder and in the store, so that the file states what ran (and reruns it as a recipe)."""
+    if not decided:
+        return
+    path = Path(ctx.run_dir) / "config.yaml"
+    tree = yaml.safe_load(path.read_text())
+    for key, value in decided.items():
+        apply_override(tree, key.split("."), value)
+    text = yaml.safe_dump(tree, sort_keys=False)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    store.write_bytes(f"runs/{ctx.run_id}/config.yaml", text.encode())
+
+
 def open_store(cfg: Config) -> ArtifactStore:
     return ArtifactStore.from_config(cfg.storage)
 
@@ -240,6 +258,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
         with _tracker(cfg, ctx, "rl") as tracker:
             result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints,
                             RunTables(store, run_id), tracker)
+    record_automatic_settings(store, ctx, result.automatic)
     get_run_logger().info("rl: %d steps, final checkpoint %s (trajectories: run_id=%s)", result.num_steps,
                           result.checkpoint, run_id)
     return str(result.checkpoint)

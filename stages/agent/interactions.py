@@ -31,6 +31,8 @@ Deviations from verl:
 - The model turn that reaches a turn limit is judged too, and a reply that ends the conversation is recorded but
   not appended (stages/agent/tool_loop.py says why).
 - `Interaction` is abstract in `generate_response` (verl's base returns a canned reply).
+- `interaction_kwargs` keys whose value is None are not passed (`pick_interaction`): in a parquet file they are the
+  keys of other rows.
 """
 
 from __future__ import annotations
@@ -223,7 +225,9 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def pick_interaction(interactions: dict[str, Interaction], extra_info: dict | None) -> tuple[Interaction, dict] | None:
-    """The row's interaction and its kwargs (`extra_info.interaction_kwargs`), or None for a row without them.
+    """The row's interaction and its kwargs (`extra_info.interaction_kwargs` without its None values), or None for a
+    row without them. A parquet struct column has the keys of every row, so a key that only other rows have reads
+    back as None: dropping those lets the interaction's own defaults apply (verl passes the None through).
 
     Raises:
         ValueError: The kwargs have no `name`, or name an interaction that is not configured.
@@ -238,7 +242,7 @@ def pick_interaction(interactions: dict[str, Interaction], extra_info: dict | No
     if kwargs["name"] not in interactions:
         raise ValueError(f"{row}: extra_info.interaction_kwargs.name={kwargs['name']!r} is not configured in "
                          f"rl.multi_turn.interaction_config_path; configured: {sorted(interactions)}")
-    return interactions[kwargs["name"]], kwargs
+    return interactions[kwargs["name"]], {k: v for k, v in kwargs.items() if v is not None}
 
 
 @dataclass

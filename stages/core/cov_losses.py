@@ -153,7 +153,7 @@ def kl_cov_policy_loss(
     global_num_seqs: Count | None = None,
     max_response_length: int | None = None,
     kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
+    ppo_kl_coef: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: unclipped -A r, plus ppo_kl_coef * |log r| on the top-covariance tokens.
 

@@ -41,7 +41,8 @@ class HFRolloutEngine:
             attention_mask[i, width - len(p) :] = 1
         stop_ids = list(params.stop_token_ids) or [self.eos_token_id]
         sampling = {} if params.greedy else {
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else None,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else None,
         }
         out = self.model.generate(
             input_ids=input_ids.to(device),

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _decode_split_kernel(Q, K, V, LENS, O_PART, LSE_PART, scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,

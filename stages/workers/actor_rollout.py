@@ -32,17 +32,22 @@ from stages.model.fsdp import (
     hf_weights,
     init_process_group,
     iter_hf_weights,
-    load_train_state,
     reshard,
-    save_train_state,
     shard,
 )
 from stages.model.loading import compute_dtype, load_model, load_tokenizer
-from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import TokenLogprobs, compile_layers, pack_rows
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.prefix_cache import PrefixRouter
-from stages.workers.actor_update import all_reduce, micro_batches, reshard_after_forward, update_policy
+from stages.workers.actor_loss import actor_loss
+from stages.workers.train_engine import (
+    TrainEngine,
+    all_reduce,
+    automatic_fields,
+    local_mini_rows,
+    micro_batches,
+    resolve_trainer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +91,11 @@ def make_engine(cfg: Config, model_dir: str):
 
 
 def prefix_cache_rows(cfg: Config) -> int:
-    """rl.rollout.prefix_cache_rows, resolved: by default on (max_num_seqs rows) for multi-turn rollouts only."""
+    """rl.rollout.prefix_cache_rows, resolved: by default on (max_num_seqs rows) for multi-turn rollouts on the cuda
+    engine only (the others keep no park)."""
     rows, multi_turn = cfg.rl.rollout.prefix_cache_rows, cfg.rl.multi_turn
-    if rows is not None:
-        return rows
+    if rows is not None or cfg.rl.rollout.engine != "cuda":
+        return rows or 0
     uses_turns = multi_turn.tool_config_path or multi_turn.tool_functions or getattr(
         multi_turn, "interaction_config_path", None)
     return cfg.rl.rollout.max_num_seqs if uses_turns else 0
@@ -97,7 +103,7 @@ def prefix_cache_rows(cfg: Config) -> int:
 
 def prefix_router(cfg: Config, engines: int) -> PrefixRouter | None:
     """With several cuda engines and prefix reuse on, the router that sends a trajectory's turns to one engine."""
-    rows = prefix_cache_rows(cfg) if cfg.rl.rollout.engine == "cuda" else 0
+    rows = prefix_cache_rows(cfg)
     if rows == 0 or engines == 1:
         return None
     return PrefixRouter(engines, rows, cfg.data.max_prompt_length + cfg.data.max_response_length)
@@ -116,27 +122,42 @@ class ActorRolloutWorker:
         # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
         model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing,
                                                  "dtype": "float32"})
-        self.actor = self._sharded(load_model(model_dir, model_cfg))
+        model = load_model(model_dir, model_cfg)
+        self._resolve(cfg, model)
+        self.actor = self._sharded(model)
         self.ref = None
         if self.rl.uses_reference and cfg.model.lora is None:  # frozen: stored in model.dtype
             self.ref = self._sharded(load_model(model_dir, cfg.model, trainable=False))
-        optim = self.rl.actor.optim()
-        self.optimizer = build_optimizer(self.actor.parameters(), optim)
-        self.scheduler = build_scheduler(self.optimizer, optim, self.rl.total_steps)
+        self.trainer = TrainEngine("actor", self.actor, self.rl.actor, self.rl.total_steps, local_mini_rows(cfg))
         lora = cfg.model.lora
         self.lora_scale = lora.alpha / lora.rank if lora else None
         torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)
 
+    def _resolve(self, cfg: Config, model) -> None:
+        """Decide the actor's automatic (None) settings once, for this device and model; `automatic` lists them
+        (with the rollout's prefix_cache_rows) for the driver to log and record."""
+        given, cuda = cfg.rl.actor, self.device.type == "cuda"
+        actor = resolve_trainer(given, model).model_copy(update={
+            "use_remove_padding": cuda if given.use_remove_padding is None else given.use_remove_padding,
+            "use_torch_compile": cuda if given.use_torch_compile is None else given.use_torch_compile,
+            "logprob_chunk_tokens": given.logprob_chunk_tokens or (8192 if cuda else 1024)})
+        rollout = cfg.rl.rollout.model_copy(update={"prefix_cache_rows": prefix_cache_rows(cfg)})
+        self.rl = cfg.rl.model_copy(update={"actor": actor, "rollout": rollout})
+        self.cfg = cfg.model_copy(update={"rl": self.rl})
+        self.automatic = {**automatic_fields(given, actor, "rl.actor"),
+                          **automatic_fields(cfg.rl.rollout, rollout, "rl.rollout")}
+
+    def automatic_settings(self) -> dict[str, object]:
+        return self.automatic
+
     def _sharded(self, model) -> TokenLogprobs:
-        """The model as a sharded TokenLogprobs with the actor's device settings (None: on with CUDA)."""
-        actor, cuda = self.rl.actor, self.device.type == "cuda"
-        pack = cuda if actor.use_remove_padding is None else actor.use_remove_padding
-        compiled = cuda if actor.use_torch_compile is None else actor.use_torch_compile
-        chunk = actor.logprob_chunk_tokens or (8192 if cuda else 1024)
-        if compiled:
+        """The model as a sharded TokenLogprobs with the actor's resolved device settings."""
+        actor = self.rl.actor
+        if actor.use_torch_compile:
             compile_layers(model)
-        module = TokenLogprobs(model.to(self.device), chunk_tokens=chunk, pack=pack, compile_head=compiled)
-        return shard(module, compute_dtype(self.cfg.model), reshard_after_forward(actor, model))
+        module = TokenLogprobs(model.to(self.device), chunk_tokens=actor.logprob_chunk_tokens,
+                               pack=actor.use_remove_padding, compile_head=actor.use_torch_compile)
+        return shard(module, compute_dtype(self.cfg.model), actor.reshard_after_forward)
 
     # ---- rollout -------------------------------------------------------------------------------
 
@@ -202,11 +223,8 @@ class ActorRolloutWorker:
     # ---- training ----------------------------------------------------------------------------------
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        self.actor.train()
-        metrics = update_policy(self.actor, self.optimizer, batch, self.cfg, self._inputs)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr this step used
-        self.scheduler.step()
-        return metrics
+        return self.trainer.update(batch, lambda micro, denominators: actor_loss(
+            self.actor, micro, denominators, self.cfg, self._inputs))
 
     # ---- weight sync ---------------------------------------------------------------------------------
 
@@ -248,10 +266,10 @@ class ActorRolloutWorker:
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded (every rank writes its shards) into `path`/actor; `path` must be visible to every rank."""
-        save_train_state(Path(path) / "actor", self.actor, self.optimizer, self.scheduler)
+        self.trainer.save(Path(path) / "actor")
 
     def load_checkpoint(self, path: str) -> None:
-        load_train_state(Path(path) / "actor", self.actor, self.optimizer, self.scheduler)
+        self.trainer.load(Path(path) / "actor")
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """Plain HF weights (LoRA merged) on rank 0 (empty elsewhere); tests compare them with checkpoints."""

@@ -16,19 +16,16 @@ import torch
 from infra.config import Config
 from stages.batch import Batch, to_device
 from stages.core import clipped_value_loss
-from stages.model.fsdp import init_process_group, load_train_state, reshard, save_train_state, shard
+from stages.model.fsdp import init_process_group, reshard, shard
 from stages.model.loading import compute_dtype, load_model
-from stages.model.optim import build_optimizer, build_scheduler
 from stages.model.policy import ValueModel
-from stages.workers.actor_update import (
-    MetricMeans,
-    accumulate,
-    clipped_step,
-    global_denominators,
+from stages.workers.train_engine import (
+    TrainEngine,
+    automatic_fields,
     local_mini_rows,
     local_scale,
     micro_batches,
-    reshard_after_forward,
+    resolve_trainer,
 )
 
 
@@ -42,11 +39,13 @@ class CriticWorker:
         init_process_group(rank, world_size, master_addr, master_port)
         model_cfg = cfg.model.model_copy(update={"lora": None, "gradient_checkpointing": False, "dtype": "float32"})
         value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)  # fp32 master weights
-        reshard = reshard_after_forward(self.critic_cfg, value_model)
-        self.model = shard(value_model, compute_dtype(cfg.model), reshard)
-        optim = self.critic_cfg.optim()
-        self.optimizer = build_optimizer(self.model.parameters(), optim)
-        self.scheduler = build_scheduler(self.optimizer, optim, cfg.rl.total_steps)
+        self.critic_cfg = resolve_trainer(cfg.rl.critic, value_model)
+        self.automatic = automatic_fields(cfg.rl.critic, self.critic_cfg, "rl.critic")
+        self.model = shard(value_model, compute_dtype(cfg.model), self.critic_cfg.reshard_after_forward)
+        self.trainer = TrainEngine("critic", self.model, self.critic_cfg, cfg.rl.total_steps, local_mini_rows(cfg))
+
+    def automatic_settings(self) -> dict[str, object]:
+        return self.automatic
 
     def _inputs(self, values: Batch | dict) -> dict:
         return to_device(values.model_inputs() if isinstance(values, Batch) else values, self.device)
@@ -61,36 +60,20 @@ class CriticWorker:
         return values * batch.response_mask
 
     def update(self, batch: Batch) -> dict[str, float]:
-        self.model.train()
-        cfg = self.critic_cfg
-        mini_size = local_mini_rows(self.cfg)
-        means = MetricMeans()
-        for _ in range(cfg.ppo_epochs):
-            for start in range(0, len(batch), mini_size):
-                mini = batch.select(list(range(start, min(start + mini_size, len(batch)))))
-                self._update_mini(mini, means)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        return {**means.result(), "critic/lr": lr}
+        return self.trainer.update(batch, self._loss)
 
-    def _update_mini(self, mini: Batch, means: MetricMeans) -> None:
-        scale = {**global_denominators(mini.response_mask), "max_response_length": self.cfg.data.max_response_length}
-        for rows in accumulate(self.model, micro_batches(mini, self.critic_cfg), self.critic_cfg):
-            micro = mini.select(rows)
-            t = self._inputs({k: micro.tensors[k] for k in ("values", "returns", "response_mask")})
-            values = self.model(**self._inputs(micro))
-            loss, metrics = clipped_value_loss(values, t["values"], t["returns"], t["response_mask"],
-                                               self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode,
-                                               **scale)
-            loss.backward()
-            local = loss.detach() * local_scale(scale, micro.response_mask)
-            means.add({"critic/vf_loss": local, **metrics}, weight=float(micro.response_mask.sum()))
-        norm, _ = clipped_step(self.model, self.optimizer, self.critic_cfg.grad_clip)
-        means.add({"critic/grad_norm": norm})
+    def _loss(self, micro: Batch, denominators: dict) -> tuple[torch.Tensor, dict]:
+        """verl's clipped value loss of one micro-batch, scaled by the mini-batch's global denominators."""
+        scale = {**denominators, "max_response_length": self.cfg.data.max_response_length}
+        t = self._inputs({k: micro.tensors[k] for k in ("values", "returns", "response_mask")})
+        values = self.model(**self._inputs(micro))
+        loss, metrics = clipped_value_loss(values, t["values"], t["returns"], t["response_mask"],
+                                           self.critic_cfg.cliprange_value, self.cfg.rl.actor.loss_agg_mode, **scale)
+        return loss, {"critic/vf_loss": loss.detach() * local_scale(scale, micro.response_mask), **metrics}
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded into `path`/critic (see ActorRolloutWorker.save_checkpoint)."""
-        save_train_state(Path(path) / "critic", self.model, self.optimizer, self.scheduler)
+        self.trainer.save(Path(path) / "critic")
 
     def load_checkpoint(self, path: str) -> None:
-        load_train_state(Path(path) / "critic", self.model, self.optimizer, self.scheduler)
+        self.trainer.load(Path(path) / "critic")

@@ -20,8 +20,8 @@ from stages.workers.actor_rollout import ActorRolloutWorker
 from tests.conftest import TINY_OVERRIDES
 
 SETTINGS = TINY_OVERRIDES + ["rl.enabled=true", "rl.rollout.engine=hf", "rl.train_batch_size=4", "rl.rollout.n=4",
-                             "rl.actor.ppo_mini_batch_size=2", "rl.actor.micro_batch_size=3", "rl.actor.lr=1e-3",
-                             "rl.actor.grad_clip=100", "rl.actor.use_kl_loss=true"]
+                             "rl.actor.ppo_mini_batch_size=2", "rl.actor.micro_batch_size=3", "rl.actor.optim.lr=1e-3",
+                             "rl.actor.optim.grad_clip=100", "rl.actor.use_kl_loss=true"]
 
 
 def vocab(model_dir) -> int:
@@ -87,7 +87,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir):
     assert 0 < gap < 0.1
     w.update_actor(Batch({**batch.tensors, "old_logprobs": lp, "ref_logprobs": lp}, batch.meta))
     assert {p.dtype for p in w.actor.parameters()} == {torch.float32}
-    assert {s["exp_avg"].dtype for s in w.optimizer.state.values()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in w.trainer.optimizer.state.values()} == {torch.float32}
 
 
 @pytest.fixture(autouse=True)

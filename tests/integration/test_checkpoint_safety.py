@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
       "rl.rollout.engine=hf", "rl.save_freq=1", "rl.max_ckpt_to_keep=2", "rl.test_freq=0", "rl.val_before_train=false",
-      "rl.actor.lr=1e-3", "rl.reward.num_workers=1", "data.max_response_length=24"]
+      "rl.actor.optim.lr=1e-3", "rl.reward.num_workers=1", "data.max_response_length=24"]
 NAME = "rl-safety"
 
 

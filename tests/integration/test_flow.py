@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.artifacts import ArtifactRef
-from infra.config import ConfigError
+from infra.config import ConfigError, load_config
 from infra.sql import query
 from infra.store import ArtifactStore, StoreError
 from tests.conftest import TINY_OVERRIDES
@@ -76,6 +76,11 @@ def test_flow_runs_then_hits_the_cache(post_train, tmp_path, capfd):
     _check_published(tmp_path, first, third)
     run_dir = tmp_path / "out" / "runs" / first["run_id"]
     assert (run_dir / "config.yaml").read_text().count("storage:") == 1
+    # the automatic settings as the workers decided them (CPU), written into the run's config, which reruns as is
+    ran = load_config(str(run_dir / "config.yaml"))
+    assert (ran.rl.actor.use_remove_padding, ran.rl.actor.use_torch_compile, ran.rl.actor.logprob_chunk_tokens,
+            ran.rl.actor.reshard_after_forward, ran.rl.rollout.prefix_cache_rows) == (False, False, 1024, False, 0)
+    assert store.read_bytes(f"runs/{first['run_id']}/config.yaml") == (run_dir / "config.yaml").read_bytes()
     metrics = [json.loads(line) for line in (run_dir / f"{first['run_id']}-sft.metrics.jsonl").open()]
     assert {"train/loss", "train/lr", "train/grad_norm"} <= set(metrics[0])
     assert "val/loss" in metrics[-1]

@@ -38,7 +38,7 @@ PROJECT = Path(__file__).resolve().parents[2]
 RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.rollout.engine=hf",
       "rl.actor.ppo_mini_batch_size=4", "rl.actor.micro_batch_size=16", "rl.test_freq=0", "rl.save_freq=0",
       "rl.val_before_train=false", "rl.reward.num_workers=1", "data.max_response_length=16"]
-LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rl.actor.lr=2e-2"]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rl.actor.optim.lr=2e-2"]
 # fp32, the same weights through FSDP2 (padded batch, chunked head) and through plain transformers (one row):
 # these models' (weights of std 0.15) logprobs are within ~2e-5 of their float64 values, so twice that at most
 # apart; 1e-4 leaves a margin (as LOGPROB_ATOL in test_vllm_engine.py).

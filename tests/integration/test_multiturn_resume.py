@@ -46,8 +46,8 @@ def overrides(tmp_path) -> list[str]:
     return TOOL_TASK + [
         f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}", "tracking.backends=[console]",
         f"rl.total_steps={STEPS}", f"rl.train_batch_size={BATCH}", f"rl.rollout.n={N}", f"rl.save_freq={SAVE_FREQ}",
-        "rl.test_freq=0", "rl.val_before_train=false", "rl.max_validation_samples=4", "rl.actor.lr=1e-4",
-        "rl.actor.warmup_steps=2", "rl.actor.lr_scheduler=cosine", "ray.num_cpus=2",
+        "rl.test_freq=0", "rl.val_before_train=false", "rl.max_validation_samples=4", "rl.actor.optim.lr=1e-4",
+        "rl.actor.optim.warmup_steps=2", "rl.actor.optim.lr_scheduler=cosine", "ray.num_cpus=2",
         # evaluation is not under test here: few prompts, and the hf engine (no vLLM engine start per model)
         "evaluate.engine=hf", "evaluate.max_samples=4",
     ]
@@ -181,7 +181,7 @@ def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
     # As in the single-turn test: the learning rate of an uninterrupted run, each step's prompts, complete
     # artifacts, and the flow goes on from the final checkpoint.
     cfg = load_config(None, overrides(tmp_path))
-    optim = cfg.rl.actor.optim()
+    optim = cfg.rl.actor.optim
     for step in range(1, STEPS + 1):
         lr = optim.lr * lr_multiplier(step - 1, optim, STEPS)
         assert metrics[step, "actor/lr"] == pytest.approx(lr, rel=1e-9), step

@@ -30,7 +30,7 @@ def overrides(tmp_path):
         f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}", "tracking.backends=[console]",
         "rl.enabled=true", f"rl.total_steps={STEPS}", f"rl.train_batch_size={BATCH}", f"rl.rollout.n={N}",
         "rl.actor.ppo_mini_batch_size=4", "rl.save_freq=2", "rl.test_freq=0", "rl.val_before_train=false",
-        "rl.actor.lr=1e-4", "rl.actor.warmup_steps=4", "rl.actor.lr_scheduler=cosine", "rl.reward.num_workers=1",
+        "rl.actor.optim.lr=1e-4", "rl.actor.optim.warmup_steps=4", "rl.actor.optim.lr_scheduler=cosine", "rl.reward.num_workers=1",
         "ray.num_cpus=2", "data.max_response_length=32",
     ]
 
@@ -101,7 +101,7 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     cfg = load_config(None, overrides(tmp_path))
     lrs = query(root, "SELECT step, value FROM metrics WHERE name = 'actor/lr' ORDER BY step")
     assert [r["step"] for r in lrs] == list(range(1, STEPS + 1))
-    optim = cfg.rl.actor.optim()
+    optim = cfg.rl.actor.optim
     for r in lrs:
         assert r["value"] == pytest.approx(optim.lr * lr_multiplier(r["step"] - 1, optim, STEPS), rel=1e-9)
     # same data: each step's prompts are the ones the sampler assigns to that step

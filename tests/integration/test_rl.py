@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
       "rl.actor.micro_batch_size=16", "rl.test_freq=2", "rl.save_freq=2", "rl.max_validation_samples=8",
-      "rl.actor.lr=1e-4", "rl.reward.num_workers=1", "data.max_response_length=40"]
+      "rl.actor.optim.lr=1e-4", "rl.reward.num_workers=1", "data.max_response_length=40"]
 
 VERL_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
@@ -69,7 +69,7 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
 
 
 @pytest.mark.parametrize("overrides", [
-    ["rl.algorithm.adv_estimator=gae", "rl.critic.lr=1e-3"],
+    ["rl.algorithm.adv_estimator=gae", "rl.critic.optim.lr=1e-3"],
     ["rl.algorithm.adv_estimator=rloo"],
     ["rl.algorithm.adv_estimator=reinforce_plus_plus", "rl.actor.use_kl_loss=true"],
     ["rl.algorithm.adv_estimator=remax"],
@@ -77,7 +77,7 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
      "rl.actor.clip_ratio_high=4e-4"],
     ["rl.algorithm.adv_estimator=dr_grpo", "rl.actor.loss_agg_mode=seq-mean-token-sum-norm",
      "rl.algorithm.use_kl_in_reward=true", "rl.algorithm.kl_ctrl_type=adaptive"],
-    ["model.lora.rank=8", "rl.actor.use_kl_loss=true", "rl.actor.lr=1e-3"],
+    ["model.lora.rank=8", "rl.actor.use_kl_loss=true", "rl.actor.optim.lr=1e-3"],
     ["rl.actor.use_remove_padding=true", "rl.actor.use_kl_loss=true"],
 ], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss", "packed"])
 def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):

@@ -24,7 +24,7 @@ TASK = ["data.synthetic.num_terms=2", "data.synthetic.max_operand=9", "data.synt
         "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256", "sft.epochs=40", "sft.train_batch_size=16",
         "sft.micro_batch_size=16", "sft.optim.lr=2e-3", "sft.save_freq=100000"]
 RL = ["rl.enabled=true", "rl.total_steps=12", "rl.train_batch_size=16", "rl.rollout.n=4",
-      "rl.actor.ppo_mini_batch_size=8", "rl.actor.micro_batch_size=64", "rl.actor.lr=1e-4", "rl.test_freq=0",
+      "rl.actor.ppo_mini_batch_size=8", "rl.actor.micro_batch_size=64", "rl.actor.optim.lr=1e-4", "rl.test_freq=0",
       "rl.save_freq=0", "rl.val_before_train=false", "rl.reward.num_workers=1"]
 
 
@@ -55,7 +55,7 @@ def sft_model(tmp_path_factory):
 
 @pytest.mark.parametrize("overrides", [
     [],
-    ["rl.algorithm.adv_estimator=gae", "rl.critic.lr=1e-3"],
+    ["rl.algorithm.adv_estimator=gae", "rl.critic.optim.lr=1e-3"],
     ["rl.algorithm.adv_estimator=rloo"],
     ["rl.algorithm.adv_estimator=reinforce_plus_plus"],
     ["rl.algorithm.filter_groups=true", "rl.algorithm.filter_groups_metric=score", "rl.algorithm.max_num_gen_batches=8",
@@ -106,6 +106,6 @@ def test_rl_beats_sft_on_held_out(tmp_path_factory, seed):
     print(f"seed {seed}: held-out greedy accuracy {acc}")  # shown with pytest -rP
     assert acc["rl"] >= acc["sft"] + MARGIN, acc
     if seed == 0:  # the control: with a learning rate of ~0 the same run must miss the margin
-        still = sft_then_rl(folder, seed, "rl.actor.lr=1e-12")
-        print(f"seed {seed}, rl.actor.lr=1e-12: {still}")
+        still = sft_then_rl(folder, seed, "rl.actor.optim.lr=1e-12")
+        print(f"seed {seed}, rl.actor.optim.lr=1e-12: {still}")
         assert still["rl"] < still["sft"] + MARGIN, still

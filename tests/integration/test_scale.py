@@ -33,7 +33,7 @@ from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.fsdp import hf_weights, read_checkpoint_model_state
 from stages.model.loading import load_model, load_tokenizer
 from stages.rl_data import rollout_batch
-from stages.workers.actor_update import balanced_groups
+from stages.workers.train_engine import balanced_groups
 from tests.conftest import TINY_OVERRIDES
 from tests.tolerances import REORDER_RTOL, assert_close_reordered
 
@@ -126,7 +126,7 @@ def keep_gradients(worker, model_attr: str) -> None:
     (gathered from the shards: a collective, which every rank runs at the same step)."""
     names = {param: name for name, param in getattr(worker, model_attr).named_parameters()}
     worker.kept_gradients = []
-    worker.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: worker.kept_gradients.append(
+    worker.trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: worker.kept_gradients.append(
         {names[p]: p.grad.full_tensor() for group in optimizer.param_groups for p in group["params"]}))
 
 
@@ -187,8 +187,8 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
     cfg = load_config(None, TINY_OVERRIDES + RL + [
         "rl.rollout.engine=hf", "rl.algorithm.adv_estimator=gae", "rl.actor.micro_batch_size=3",
         "rl.critic.micro_batch_size=5", "rl.actor.use_kl_loss=true", "rl.actor.kl_loss_coef=0.1",
-        "rl.actor.entropy_coeff=0.01", "rl.actor.lr=1e-4", "rl.critic.lr=1e-3", "rl.actor.grad_clip=100",
-        "rl.critic.grad_clip=100"])
+        "rl.actor.entropy_coeff=0.01", "rl.actor.optim.lr=1e-4", "rl.critic.optim.lr=1e-3", "rl.actor.optim.grad_clip=100",
+        "rl.critic.optim.grad_clip=100"])
     batch, check_prompts = a_batch(cfg, tiny_model_dir, tiny_data_dir)
     one = run_workers(cfg, str(tiny_model_dir), batch, check_prompts, 1)
     # the update's inputs come from the 1-worker pass, so the comparison isolates the update itself. FSDP2
@@ -219,7 +219,7 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
             assert_close_reordered(grads_two, grads_one, f"{role} step {step}")
     moved = max(float((one["weights"][k] - one["before"][k]).abs().max()) for k in one["weights"])
     assert moved > 1e-5
-    assert_same_adam_steps(one, two, cfg.rl.actor.lr)
+    assert_same_adam_steps(one, two, cfg.rl.actor.optim.lr)
     # the weights streamed into each worker's engine, layer by layer, are the trained ones (float32 both)
     assert two["sync"]["rollout/logprob_diff_max"] < 1e-4
 
@@ -298,7 +298,7 @@ def test_two_worker_grpo_with_vllm_raises_the_reward(ray_cluster, tiny_data_dir,
     reward.write_text(DIGITS_REWARD)
     root = tmp_path / "store"
     result = run_rl_steps(tiny_data_dir, tiny_model_dir, root, "rl.total_steps=8",
-                          f"rl.reward.custom_path={reward}", "rl.actor.lr=3e-3", "rl.actor.micro_batch_size=8",
+                          f"rl.reward.custom_path={reward}", "rl.actor.optim.lr=3e-3", "rl.actor.micro_batch_size=8",
                           "rl.val_before_train=false", "rl.test_freq=0", "rl.save_freq=0")
     assert result.num_steps == 8
     scores = metric(root, "critic/score/mean")
@@ -357,8 +357,8 @@ def test_sharded_checkpoint_resumes_on_two_workers(ray_cluster, tiny_data_dir, t
     caplog.set_level(logging.INFO, logger="stages.rl")
     root = tmp_path / "store"
     args = ("rl.rollout.engine=hf", "rl.algorithm.adv_estimator=gae", "rl.total_steps=3", "rl.save_freq=1",
-            "rl.max_ckpt_to_keep=3", "rl.test_freq=0", "rl.val_before_train=false", "rl.actor.lr=1e-3",
-            "rl.critic.lr=1e-3", "rl.rollout.temperature=1.5")
+            "rl.max_ckpt_to_keep=3", "rl.test_freq=0", "rl.val_before_train=false", "rl.actor.optim.lr=1e-3",
+            "rl.critic.optim.lr=1e-3", "rl.rollout.temperature=1.5")
     trained = trained_weights(tiny_data_dir, tiny_model_dir, root, *args)
 
     store = ArtifactStore(str(root))

@@ -108,8 +108,8 @@ from infra.console import redirect_worker_output
 redirect_worker_output()
 print("vLLM engine config dump")
 os.write(2, b"C-level write to fd 2\\n")
-logging.getLogger("stages.workers.actor_update").info("worker info")
-logging.getLogger("stages.workers.actor_update").warning("actor: 1 optimizer step(s) skipped")
+logging.getLogger("stages.workers.train_engine").info("worker info")
+logging.getLogger("stages.workers.train_engine").warning("actor: 1 optimizer step(s) skipped")
 """
 
 
@@ -120,7 +120,7 @@ def test_worker_hook_sends_output_to_the_stage_log_and_our_warnings_to_the_conso
                           env={**os.environ, "PYTHONPATH": str(PROJECT), WORKER_LOG_ENV: str(log)})
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr.count("\n") == 1  # what Ray would stream to the driver: the warning
-    assert "WARNING | stages.workers.actor_update - actor: 1 optimizer step(s) skipped" in done.stderr
+    assert "WARNING | stages.workers.train_engine - actor: 1 optimizer step(s) skipped" in done.stderr
     text = log.read_text()
     assert text.startswith("earlier worker\n")
     for line in ("vLLM engine config dump", "C-level write to fd 2", "worker info", "optimizer step(s) skipped"):
@@ -132,6 +132,6 @@ def test_verbose_flag_is_an_override_so_deployments_set_it_the_same_way():
     from infra.config import load_config
 
     assert parse_args(["recipes/demo.yaml", "sft.epochs=1", "--verbose"]) == (
-        "recipes/demo.yaml", ["sft.epochs=1", "tracking.console=verbose"])
-    assert parse_args(["sft.epochs=1", "--refresh-cache"]) == (None, ["sft.epochs=1"])
+        "recipes/demo.yaml", ["sft.epochs=1", "tracking.console=verbose"], [])
+    assert parse_args(["sft.epochs=1", "--refresh-cache"]) == (None, ["sft.epochs=1"], [])
     assert load_config(None, []).tracking.console == "quiet"

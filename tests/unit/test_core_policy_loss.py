@@ -151,15 +151,17 @@ def test_kl_cov_hand_values():
     logprobs = _leaf(COV_LOGPROBS)
     log_r = [0.1, 0.2, -0.1, 0.0]
     old = logprobs.detach() - _t([log_r])
-    loss, m = cov_losses.kl_cov_policy_loss(old, logprobs, COV_ADV, ALL4, **CLIP)
-    # k = max(1, floor(0.0002 * 4)) = 1 -> top cov is t0: -2 e^0.1 + 1 * |0.1|; others -A r = 0, 0, -0.4
-    _close(loss, (-2 * math.exp(0.1) + 0.1 - 0.4) / 4)  # -0.62759
+    loss, m = cov_losses.kl_cov_policy_loss(old, logprobs, COV_ADV, ALL4, **CLIP)  # ppo_kl_coef 0.1 (verl's)
+    # k = max(1, floor(0.0002 * 4)) = 1 -> top cov is t0: -2 e^0.1 + 0.1 * |0.1|; others -A r = 0, 0, -0.4
+    _close(loss, (-2 * math.exp(0.1) + 0.01 - 0.4) / 4)  # -0.65009
     _close(m["actor/pg_clipfrac"], 1 / 4)
     _close(m["actor/ppo_kl_abs"], 0.4 / 4)
     _close(m["actor/ppo_kl"], -0.2 / 4)
     loss.backward()
-    # t0: d/d log pi (-A r + |log r|) = -2 e^0.1 + 1; t3: -0.4; each / 4
-    _close(logprobs.grad, [[(-2 * math.exp(0.1) + 1) / 4, 0.0, 0.0, -0.1]])
+    # t0: d/d log pi (-A r + 0.1 |log r|) = -2 e^0.1 + 0.1; t3: -0.4; each / 4
+    _close(logprobs.grad, [[(-2 * math.exp(0.1) + 0.1) / 4, 0.0, 0.0, -0.1]])
+    weighted, _ = cov_losses.kl_cov_policy_loss(old, logprobs, COV_ADV, ALL4, **CLIP, ppo_kl_coef=1.0)
+    _close(weighted, (-2 * math.exp(0.1) + 0.1 - 0.4) / 4)
 
 
 # ---- Invariances ---------------------------------------------------------------------------------------------

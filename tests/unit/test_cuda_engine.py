@@ -348,6 +348,7 @@ def test_prefix_reuse_is_on_by_default_for_multi_turn_runs_only():
     assert prefix_cache_rows(load_config(None, [])) == 0
     cfg = load_config(None, [tools, "rl.rollout.engine=cuda"])
     assert prefix_cache_rows(cfg) == cfg.rl.rollout.max_num_seqs
-    assert prefix_cache_rows(load_config(None, [tools, "rl.rollout.prefix_cache_rows=0"])) == 0
+    assert prefix_cache_rows(load_config(None, [tools, "rl.rollout.engine=cuda", "rl.rollout.prefix_cache_rows=0"])) == 0
+    assert prefix_cache_rows(load_config(None, [tools])) == 0  # vllm: its own prefix cache
     assert prefix_router(cfg, engines=1) is None and isinstance(prefix_router(cfg, engines=2), PrefixRouter)
     assert prefix_router(load_config(None, [tools]), engines=2) is None  # vllm keeps its own prefix cache

@@ -332,6 +332,122 @@ def test_gsm8k_bad_row(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# Simulated users (data.interaction)
+
+
+def gsm8k_interaction_reply(kwargs: dict, answer: str) -> tuple:
+    """Gsm8kInteraction's (terminate, text, score, data) for `answer` to a row with interaction_kwargs `kwargs`, as
+    the tool_agent loop calls it (the whole kwargs to start_interaction and generate_response)."""
+    import asyncio
+
+    from stages.agent.interactions import Gsm8kInteraction
+
+    async def reply():
+        user = Gsm8kInteraction({"name": kwargs["name"]})
+        instance = await user.start_interaction("id", **kwargs)
+        return await user.generate_response(instance, [{"role": "assistant", "content": answer}], **kwargs)
+
+    return asyncio.run(reply())
+
+
+def test_interaction_rows_synthetic(tmp_path, tokenizer):
+    """verl's gsm8k interaction preprocessing on the synthetic task: every RL row of both splits on tool_agent, with
+    interaction_kwargs {name, query, ground_truth}; the SFT splits are those of the run without it."""
+    run_data_prep(synthetic_cfg(), 0, tmp_path / "plain")
+    stats = run_data_prep(synthetic_cfg().model_copy(update={"interaction": "gsm8k"}), 0, tmp_path / "out")
+    assert stats["interaction"] == "gsm8k"
+    for split in ("train", "validation"):
+        out, plain = rows(tmp_path / "out" / f"{split}.parquet"), rows(tmp_path / "plain" / f"{split}.parquet")
+        assert len(out) == len(plain) and {r["agent_name"] for r in out} == {"tool_agent"}
+        for row, before in zip(out, plain, strict=True):
+            kwargs = row["extra_info"].pop("interaction_kwargs")
+            assert kwargs == {"name": "gsm8k", "query": row["prompt"][-1]["content"],
+                              "ground_truth": row["reward_model"]["ground_truth"]}
+            assert {k: v for k, v in row.items() if k != "agent_name"} == before  # nothing else changed
+    for name in ("sft_train.parquet", "sft_validation.parquet"):
+        assert pq.read_table(tmp_path / "out" / name).equals(pq.read_table(tmp_path / "plain" / name))
+    # the rows as the RL stage reads them, and the interaction they name: the reference answer ends the
+    # conversation with score 1, another answer gets the try-again reply and 0
+    prompts = load_prompts(tmp_path / "out" / "train.parquet", tokenizer, DataConfig(max_prompt_length=512))
+    assert set(prompts.agent_names) == {"tool_agent"}
+    kwargs = prompts.extra_infos[0]["interaction_kwargs"]
+    sft = rows(tmp_path / "out" / "sft_train.parquet")
+    assert gsm8k_interaction_reply(kwargs, sft[0]["response"])[::2] == (True, 1.0)
+    assert gsm8k_interaction_reply(kwargs, f"#### {int(kwargs['ground_truth']) + 1}")[::2] == (False, 0.0)
+
+
+def test_interaction_rows_keep_the_calculator_tools_kwargs(tmp_path):
+    cfg = synthetic_cfg(num_terms=2, operators=["*"], max_operand=99, tool_call_fraction=0.5)
+    run_data_prep(cfg.model_copy(update={"interaction": "gsm8k"}), 0, tmp_path)
+    for row in rows(tmp_path / "train.parquet") + rows(tmp_path / "validation.parquet"):
+        truth = row["reward_model"]["ground_truth"]
+        assert row["agent_name"] == "tool_agent" and row["data_source"] == "synthetic/calculator"
+        assert row["extra_info"]["tools_kwargs"] == {"calculator": {"create_kwargs": {"ground_truth": truth}}}
+        assert row["extra_info"]["interaction_kwargs"]["ground_truth"] == truth
+    assert any(r["turns"] for r in rows(tmp_path / "sft_train.parquet"))  # SFT still shows the calls
+
+
+def test_interaction_rows_gsm8k(tmp_path):
+    """GSM8K-format input, as verl's gsm8k_multiturn_w_interaction.py: the query is the prompt (question plus
+    instruction), the ground truth the number after '####' (commas stripped)."""
+    cfg = DataConfig(source="gsm8k", gsm8k_path=str(SAMPLES), interaction="gsm8k")
+    run_data_prep(cfg, 0, tmp_path)
+    train = rows(tmp_path / "train.parquet")
+    assert {r["agent_name"] for r in train} == {"tool_agent"}
+    first, comma = train[0], train[4]
+    assert first["extra_info"]["interaction_kwargs"] == {
+        "name": "gsm8k", "query": first["prompt"][0]["content"], "ground_truth": "126"}
+    assert first["prompt"][0]["content"].startswith(first["extra_info"]["question"] + " Let's think")
+    assert comma["extra_info"]["interaction_kwargs"]["ground_truth"] == "1400"  # "#### 1,400"
+    assert gsm8k_interaction_reply(first["extra_info"]["interaction_kwargs"],
+                                   first["extra_info"]["answer"])[::2] == (True, 1.0)
+    validation = rows(tmp_path / "validation.parquet")
+    assert all(r["extra_info"]["interaction_kwargs"]["name"] == "gsm8k" for r in validation)
+
+
+def test_interaction_rows_verl_file_keeps_its_own(tmp_path):
+    """A verl-format file: rows with interaction_kwargs of their own keep them; a row's own loop is kept, and rows
+    on single_turn (or none) move to tool_agent, the loop that runs interactions."""
+    own = {"name": "tutor", "ground_truth": "0", "level": "hard"}
+    agents = ["my_loop.py:MyLoop", "single_turn", None, "tool_agent"]
+    verl_rows = [
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": f"Q{i}?"}],
+         "reward_model": {"style": "rule", "ground_truth": str(i)}, "agent_name": agents[i % 4],
+         "extra_info": {"index": i, "interaction_kwargs": own if i == 0 else None}}
+        for i in range(8)
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(verl_rows), tmp_path / "verl.parquet")
+    cfg = DataConfig(source="file", path=str(tmp_path / "verl.parquet"), validation_fraction=0.25,
+                     interaction="gsm8k")
+    run_data_prep(cfg, 0, tmp_path / "out")
+    out = {r["extra_info"]["index"]: r for r in rows(tmp_path / "out" / "train.parquet") +
+           rows(tmp_path / "out" / "validation.parquet")}
+    assert sorted(out) == list(range(8))
+    def given(kwargs: dict) -> dict:  # a parquet struct has every row's keys: the others' read back as None
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    assert given(out[0]["extra_info"]["interaction_kwargs"]) == own
+    for i in range(1, 8):
+        assert given(out[i]["extra_info"]["interaction_kwargs"]) == {"name": "gsm8k", "query": f"Q{i}?",
+                                                                     "ground_truth": str(i)}
+    assert {i: r["agent_name"] for i, r in out.items()} == {
+        i: "my_loop.py:MyLoop" if i % 4 == 0 else "tool_agent" for i in range(8)}
+
+
+def test_interaction_is_a_name():
+    from infra.config import ConfigError, load_config
+
+    users = "rl.multi_turn.interaction_config_path=recipes/interactions/gsm8k.yaml"
+    assert load_config(None, ["data.interaction=gsm8k", users]).data.interaction == "gsm8k"
+    assert load_config(None).data.interaction is None
+    with pytest.raises(ConfigError, match="data.interaction"):
+        load_config(None, ["data.interaction=''", users])
+    with pytest.raises(ConfigError, match="rl.multi_turn.interaction_config_path is not set"):
+        load_config(None, ["data.interaction=gsm8k"])
+
+
+# --------------------------------------------------------------------------------------------------
 # load_prompts
 
 

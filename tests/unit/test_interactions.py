@@ -183,6 +183,9 @@ def test_rows_must_name_a_configured_interaction(tokenizer):
     with pytest.raises(ValueError, match=r"interaction_kwargs.name='judge' is not configured.*\['gsm8k'\]"):
         run(tokenizer, {0: ["#### 1"]}, users, {0: {"name": "judge"}})
     assert pick_interaction(users, {"index": 3}) is None  # rows without kwargs run without a simulated user
+    # keys that only other rows of a parquet file have read back as None: not passed, the interaction's defaults apply
+    picked = pick_interaction(users, {"interaction_kwargs": {"name": "gsm8k", "ground_truth": "2", "query": None}})
+    assert picked == (users["gsm8k"], {"name": "gsm8k", "ground_truth": "2"})
     assert pick_interaction({}, {"interaction_kwargs": {"name": "gsm8k"}}) is None
     [t], _, _ = run(tokenizer, {0: ["#### 1", "#### 2"]}, {}, {0: {"name": "gsm8k", "ground_truth": "2"}})
     assert t.finish_reason == "stop" and t.num_turns == 1  # none configured: the plain tool loop (and a warning)

@@ -2,7 +2,7 @@
 
 from infra.rl_config import ActorConfig
 from stages.batch import build_batch
-from stages.workers.actor_update import budget_count, micro_batches
+from stages.workers.train_engine import budget_count, micro_batches
 
 
 def a_batch(lengths: list[int]):

@@ -1,8 +1,11 @@
-"""The actor's PPO-style update: mini-batches, micro-batches (fixed size or token budget), ppo_epochs.
+"""One update loop for every trained model (actor, critic): epochs x mini-batches x micro-batches.
 
-Every micro-batch loss is divided by its mini-batch's global denominators (valid tokens, sequences,
-summed over the data-parallel ranks), so the gradient of a mini-batch does not depend on how it is split
-into micro-batches or ranks. All the math is in stages/core; this file only feeds it.
+`TrainEngine` owns a model's optimizer, LR schedule and update loop; a role gives it only its micro-batch loss
+(`loss_fn(micro, denominators) -> (loss, metrics)`): the actor's policy loss (actor_loss.py), the critic's value
+loss (critic.py). Every micro-batch loss is divided by its mini-batch's global denominators (valid tokens,
+sequences, summed over the data-parallel ranks), so the gradient of a mini-batch does not depend on how it is
+split into micro-batches or ranks. Each role reports the same loop metrics: `<role>/grad_norm`, `<role>/loss`
+(the mini-batch's), `<role>/lr` (the lr this step used) and `<role>/skipped_steps` (non-finite gradient norms).
 
 With N ranks, each holds its share of every mini-batch (stages/batch.py `rank_rows`); the ranks agree on
 the number of micro-batches (FSDP runs collectives in every forward, so all ranks must run as many), and
@@ -14,20 +17,69 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 
 from infra.config import Config
-from infra.rl_config import _Optim
+from infra.rl_config import TrainerConfig
 from stages.batch import Batch
-from stages.core import POLICY_LOSSES, agg_loss, kl_loss, loss_denominators
+from stages.core import loss_denominators
+from stages.model.fsdp import load_train_state, save_train_state
+from stages.model.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
-LOSS_INPUTS = ("old_logprobs", "ref_logprobs", "advantages", "response_mask")  # besides the model's inputs
+LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
 
 
-def micro_batches(batch: Batch, cfg: _Optim) -> list[list[int]]:
+class TrainEngine:
+    """A trained model's optimizer, LR schedule and update loop (`update`), and its checkpoint state."""
+
+    def __init__(self, role: str, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int, mini_rows: int):
+        self.role, self.model, self.cfg, self.mini_rows = role, model, cfg, mini_rows
+        self.optimizer = build_optimizer(model.parameters(), cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+
+    def update(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """`ppo_epochs` passes of optimizer steps over mini-batches of `mini_rows` rows; one LR schedule step."""
+        self.model.train()
+        means, skipped = MetricMeans(), 0.0
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, len(batch), self.mini_rows):
+                mini = batch.select(list(range(start, min(start + self.mini_rows, len(batch)))))
+                skipped = skipped + self._step(mini, loss_fn, means)
+        skipped = int(skipped)
+        if skipped:
+            logger.warning("%s: %d optimizer step(s) skipped: non-finite gradient norm", self.role, skipped)
+        lr = self.scheduler.get_last_lr()[0]  # the lr this step used
+        self.scheduler.step()
+        return {**means.result(), f"{self.role}/skipped_steps": skipped, f"{self.role}/lr": lr}
+
+    def _step(self, mini: Batch, loss_fn: LossFn, means: MetricMeans) -> torch.Tensor:
+        """Accumulate the mini-batch's micro-batch gradients, clip, step; -> 1.0 if the step was skipped."""
+        denominators = global_denominators(mini.response_mask)
+        mini_loss = 0.0
+        for rows in accumulate(self.model, micro_batches(mini, self.cfg), self.cfg):
+            micro = mini.select(rows)
+            loss, metrics = loss_fn(micro, denominators)
+            loss.backward()
+            mini_loss = mini_loss + loss.detach()
+            means.add(metrics, weight=float(micro.response_mask.sum()))
+        norm, found_inf = clipped_step(self.model, self.optimizer, self.cfg.optim.grad_clip)
+        means.add({f"{self.role}/grad_norm": norm, f"{self.role}/loss": all_reduce(mini_loss)})
+        return found_inf
+
+    def save(self, path: Path) -> None:
+        save_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def load(self, path: Path) -> None:
+        load_train_state(path, self.model, self.optimizer, self.scheduler)
+
+
+def micro_batches(batch: Batch, cfg: TrainerConfig) -> list[list[int]]:
     """Row groups: `micro_batch_size` rows each, or (dynamic, verl's use_dynamic_bsz) as many groups as a
     budget of `max_token_len_per_device` tokens each needs, balanced in tokens (so no group is a small
     remainder; each stays within about one sequence of the budget); as many groups on every rank (the
@@ -96,21 +148,29 @@ def gathered_fits(model: torch.nn.Module) -> bool:
     return 6 * params <= GATHERED_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def reshard_after_forward(cfg: _Optim, model: torch.nn.Module) -> bool:
-    """The role's `reshard_after_forward`; None: free the gathered weights after forward unless they fit
-    (`gathered_fits`)."""
-    return not gathered_fits(model) if cfg.reshard_after_forward is None else cfg.reshard_after_forward
+def resolve_trainer(cfg: TrainerConfig, model: torch.nn.Module) -> TrainerConfig:
+    """The section with its automatic (None) FSDP2 fields decided: `reshard_after_forward` and
+    `grad_sync_every_micro_batch` are False when the gathered model fits (`gathered_fits`), else True."""
+    fits = gathered_fits(model)
+    decide = lambda value: not fits if value is None else value  # noqa: E731
+    return cfg.model_copy(update={"reshard_after_forward": decide(cfg.reshard_after_forward),
+                                  "grad_sync_every_micro_batch": decide(cfg.grad_sync_every_micro_batch)})
 
 
-def accumulate(model, groups: list[list[int]], cfg: _Optim):
-    """Yield the micro-batches' rows; unless `grad_sync_every_micro_batch` (None: unless the gathered model
-    fits, `gathered_fits`), FSDP2 reduces the summed gradients once, after the mini-batch's last one. When
-    the weights also stay gathered through forward (`reshard_after_forward` False), they stay gathered from
-    one micro-batch to the next too (they do not change within a mini-batch): one gather per mini-batch
-    instead of one per micro-batch (at N = 1 a cast and copies of every parameter, and their launches)."""
+def automatic_fields(given: BaseModel, resolved: BaseModel, prefix: str) -> dict[str, object]:
+    """`prefix.field`: value for each field that was None (automatic) in `given` and is decided in `resolved`."""
+    return {f"{prefix}.{name}": getattr(resolved, name) for name in type(given).model_fields
+            if getattr(given, name) is None and getattr(resolved, name) is not None}
+
+
+def accumulate(model, groups: list[list[int]], cfg: TrainerConfig):
+    """Yield the micro-batches' rows; unless `grad_sync_every_micro_batch`, FSDP2 reduces the summed gradients
+    once, after the mini-batch's last one. When the weights also stay gathered through forward
+    (`reshard_after_forward` False), they stay gathered from one micro-batch to the next too (they do not change
+    within a mini-batch): one gather per mini-batch instead of one per micro-batch (at N = 1 a cast and copies of
+    every parameter, and their launches). `cfg` is resolved (`resolve_trainer`)."""
     every = cfg.grad_sync_every_micro_batch
-    every = not gathered_fits(model) if every is None else every
-    keep = not every and not reshard_after_forward(cfg, model)
+    keep = not every and not cfg.reshard_after_forward
     for i, rows in enumerate(groups):
         last = i == len(groups) - 1
         if not every:
@@ -176,61 +236,6 @@ class MetricMeans:
         values = torch.tensor([sums, [self.weights[k] for k in keys]], dtype=torch.float64)
         sums, weights = all_reduce(values).tolist() if keys else ([], [])
         return {k: s / w for k, s, w in zip(keys, sums, weights) if w > 0}
-
-
-def update_policy(model, optimizer, batch: Batch, cfg: Config, to_device) -> dict[str, float]:
-    """Run `ppo_epochs` passes of optimizer steps over mini-batches of `ppo_mini_batch_size` prompts."""
-    actor = cfg.rl.actor
-    mini_size = local_mini_rows(cfg)
-    means = MetricMeans()
-    skipped = 0.0
-    for _ in range(actor.ppo_epochs):
-        for start in range(0, len(batch), mini_size):
-            mini = batch.select(list(range(start, min(start + mini_size, len(batch)))))
-            denominators = global_denominators(mini.response_mask)
-            mini_loss = 0.0
-            for rows in accumulate(model, micro_batches(mini, actor), actor):
-                micro = mini.select(rows)
-                loss, metrics = micro_loss(model, micro, denominators, cfg, to_device)
-                loss.backward()
-                mini_loss = mini_loss + loss.detach()
-                means.add(metrics, weight=float(micro.response_mask.sum()))
-            norm, found_inf = clipped_step(model, optimizer, actor.grad_clip)
-            skipped = skipped + found_inf
-            means.add({"actor/grad_norm": norm, "actor/loss": all_reduce(mini_loss)})  # the mini-batch's loss
-    skipped = int(skipped)
-    if skipped:
-        logger.warning("actor: %d optimizer step(s) skipped: non-finite gradient norm", skipped)
-    return {**means.result(), "actor/skipped_steps": skipped}
-
-
-def micro_loss(model, micro: Batch, denominators: dict, cfg: Config, to_device):
-    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, scaled by the global denominators; its
-    metrics as device scalars (see MetricMeans)."""
-    actor = cfg.rl.actor
-    t = to_device({k: micro.tensors[k] for k in LOSS_INPUTS if k in micro.tensors})
-    bonus = actor.entropy_coeff > 0  # the entropy metric itself comes from the old-logprob pass (verl's)
-    logprobs, entropy = model(**to_device(micro), temperature=cfg.rl.rollout.temperature, with_entropy=bonus)
-    mask = t["response_mask"]
-    scale = {**denominators, "max_response_length": cfg.data.max_response_length}
-    pg_loss, pg_metrics = POLICY_LOSSES.get(actor.policy_loss)(
-        t["old_logprobs"], logprobs, t["advantages"], mask, actor.loss_agg_mode,
-        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c, **scale,
-    )
-    loss = pg_loss
-    metrics = dict(pg_metrics)
-    if bonus:
-        entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode, **scale)
-        loss = loss - actor.entropy_coeff * entropy_loss
-        metrics["actor/entropy_loss"] = entropy_loss.detach() * local_scale(denominators, micro.response_mask)
-    if actor.use_kl_loss:
-        kl, kl_metrics = kl_loss(logprobs, t["ref_logprobs"], mask, actor.kl_loss_type, actor.loss_agg_mode, **scale)
-        loss = loss + actor.kl_loss_coef * kl
-        metrics["actor/kl_loss"] = kl.detach() * local_scale(denominators, micro.response_mask)
-        metrics["actor/kl_coef"] = actor.kl_loss_coef
-    metrics["actor/pg_loss"] = pg_loss.detach() * local_scale(denominators, micro.response_mask)
-    return loss, metrics
 
 
 def local_scale(denominators: dict, mask: torch.Tensor) -> float:

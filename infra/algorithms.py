@@ -1,0 +1,167 @@
+"""Advantage estimators and policy losses as typed config variants (pydantic discriminated unions on `name`).
+
+Each variant holds its own parameters and declares what the loop must provide for it, so the RL stage plans from
+the declarations (`needs_critic`, `needs_greedy_baseline`) instead of comparing names:
+
+    rl.algorithm.adv_estimator: grpo                      # a name alone: the variant with its defaults
+    rl.algorithm.adv_estimator: {name: gae, lam: 0.95}    # or the variant with parameters
+    rl.actor.policy_loss: {name: kl_cov, kl_cov_ratio: 0.0002, ppo_kl_coef: 0.1}
+
+On the command line `rl.algorithm.adv_estimator=gae rl.algorithm.adv_estimator.lam=0.95` works in either order
+(infra/config.py `apply_override`: a name given where a variant stands becomes `{name: ...}`; a parameter set
+under a name keeps it). A parameter the chosen variant does not have is an error naming the variant's fields.
+
+Defaults are verl's where the name is verl's (`gamma`, `lam`, `norm_adv_by_std_in_grpo`; Clip-Cov and KL-Cov:
+verl's `actor.policy_loss.*` defaults). Each variant's name is a key of the math's registry in `stages/core`
+(`ADV_ESTIMATORS`, `POLICY_LOSSES`); a test checks that the two lists are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Variant(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    name: str
+
+    def params(self) -> dict[str, Any]:
+        """The variant's parameters as keyword arguments of its function in stages/core."""
+        return self.model_dump(exclude={"name"})
+
+
+def as_variant(value: Any, default: str) -> Any:
+    """A bare name (a recipe's `adv_estimator: grpo`) -> {name: grpo}; parameters without a name are the default
+    variant's; anything else unchanged."""
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict) and "name" not in value:
+        return {"name": default, **value}
+    return value
+
+
+# ---- advantage estimators -----------------------------------------------------------------------------
+
+
+class _Estimator(_Variant):
+    needs_critic: ClassVar[bool] = False  # values from a critic (GAE)
+    needs_greedy_baseline: ClassVar[bool] = False  # a greedy response's score per prompt (ReMax)
+
+
+def _gamma():
+    return Field(1.0, ge=0, le=1, description="Discount factor of returns.")
+
+
+def _grpo_std():
+    return Field(True, description="Divide by the group's std (false: Dr.GRPO's scaling).")
+
+
+def _epsilon():
+    return Field(1e-6, gt=0, description="Added to the group std.")
+
+
+class GAE(_Estimator):
+    needs_critic: ClassVar[bool] = True
+    name: Literal["gae"] = "gae"
+    gamma: float = _gamma()
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+
+
+class GRPO(_Estimator):
+    name: Literal["grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = _grpo_std()
+    epsilon: float = _epsilon()
+
+
+class DrGRPO(_Estimator):
+    """GRPO without the std division (Dr.GRPO); pair with loss_agg_mode=seq-mean-token-sum-norm."""
+
+    name: Literal["dr_grpo"] = "dr_grpo"
+
+
+class GRPOPassK(_Estimator):
+    name: Literal["grpo_passk"] = "grpo_passk"
+    norm_adv_by_std_in_grpo: bool = _grpo_std()
+    epsilon: float = _epsilon()
+
+
+class RLOO(_Estimator):
+    name: Literal["rloo"] = "rloo"
+
+
+class OPO(_Estimator):
+    name: Literal["opo"] = "opo"
+
+
+class GPGEstimator(_Estimator):
+    name: Literal["gpg"] = "gpg"
+
+
+class ReinforcePlusPlus(_Estimator):
+    name: Literal["reinforce_plus_plus"] = "reinforce_plus_plus"
+    gamma: float = _gamma()
+
+
+class ReinforcePlusPlusBaseline(_Estimator):
+    name: Literal["reinforce_plus_plus_baseline"] = "reinforce_plus_plus_baseline"
+
+
+class ReMax(_Estimator):
+    needs_greedy_baseline: ClassVar[bool] = True
+    name: Literal["remax"] = "remax"
+
+
+AdvEstimator = Annotated[
+    GAE | GRPO | DrGRPO | GRPOPassK | RLOO | OPO | GPGEstimator | ReinforcePlusPlus | ReinforcePlusPlusBaseline
+    | ReMax,
+    Field(discriminator="name"),
+]
+
+
+# ---- policy losses --------------------------------------------------------------------------------------
+
+
+class _PolicyLoss(_Variant):
+    pass
+
+
+class Vanilla(_PolicyLoss):
+    """PPO's clipped surrogate with dual clip (clip ratios: rl.actor.clip_ratio_*)."""
+
+    name: Literal["vanilla"] = "vanilla"
+
+
+class GSPO(_PolicyLoss):
+    name: Literal["gspo"] = "gspo"
+
+
+class GPGLoss(_PolicyLoss):
+    name: Literal["gpg"] = "gpg"
+
+
+class CISPO(_PolicyLoss):
+    name: Literal["cispo"] = "cispo"
+
+
+class ClipCov(_PolicyLoss):
+    name: Literal["clip_cov"] = "clip_cov"
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1, description="Share of tokens detached from the gradient.")
+    clip_cov_lb: float = Field(1.0, description="Lower bound of the covariance of tokens that may be detached.")
+    clip_cov_ub: float = Field(5.0, description="Upper bound of that covariance.")
+
+
+class KLCov(_PolicyLoss):
+    name: Literal["kl_cov"] = "kl_cov"
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1, description="Share of tokens (top covariance) KL-penalised.")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="Weight of |log ratio| on those tokens.")
+
+
+PolicyLoss = Annotated[Vanilla | GSPO | GPGLoss | CISPO | ClipCov | KLCov, Field(discriminator="name")]
+
+
+def variant_names(union: Any) -> list[str]:
+    """The names a discriminated union accepts (for tests and error messages)."""
+    return [m.model_fields["name"].default for m in get_args(get_args(union)[0])]

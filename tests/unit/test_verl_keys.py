@@ -1,0 +1,368 @@
+"""verl's command-line keys (`--verl`, infra/verl_overrides.py, the table in infra/verl_keys.py).
+
+Over the whole table: every mapped key with a sample value reaches its field with the expected value (the sample
+differs from what the field held before, so a mapping that sets nothing fails); every key accepted only as-is is
+accepted with that value and refused with another, naming the key and the reason; keys with no setting change
+nothing; refused keys name the key and the reason; a misspelt key names the nearest key. verl's GSM8K GRPO
+tutorial (tests/verl_gsm8k.py) with only paths swapped resolves to the same config as the same run written in our
+keys. Everything here runs `load_config` only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from flows.post_train import parse_args
+from infra.config import ConfigError, load_config
+from infra.verl_keys import ROWS, TABLE
+from infra.verl_overrides import (
+    IMPLIED,
+    VerlKeyError,
+    markdown_table,
+    parse_value,
+    pending,
+    resolve_after_data_prep,
+    translate,
+)
+from tests.verl_gsm8k import native, tutorial, write_gsm8k_parquet
+
+A, R, M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+PROJECT = Path(__file__).resolve().parents[2]
+BASE = load_config(None, IMPLIED)  # what a verl command line starts from without a recipe
+
+# Rows that set one field to the value as given: key -> a sample value (differs from BASE's).
+SAME = {
+    "data.train_batch_size": "64", "data.max_prompt_length": "256", "data.max_response_length": "512",
+    "data.filter_overlong_prompts": "False", M + "path": "/models/qwen", M + "trust_remote_code": "True",
+    M + "enable_gradient_checkpointing": "True", M + "use_remove_padding": "True", A + "use_remove_padding": "False",
+    A + "ppo_mini_batch_size": "8", A + "ppo_micro_batch_size_per_gpu": "4", A + "use_dynamic_bsz": "True",
+    A + "ppo_max_token_len_per_gpu": "16384", A + "ppo_epochs": "2", A + "clip_ratio_c": "10.0",
+    A + "loss_agg_mode": "seq-mean-token-sum-norm", A + "entropy_coeff": "0.01", A + "use_kl_loss": "True",
+    A + "kl_loss_coef": "0.05", A + "grad_clip": "0.5", A + "optim.clip_grad": "2.0", A + "optim.lr": "1e-6",
+    A + "optim.weight_decay": "0.01", A + "optim.betas": "[0.9,0.99]", A + "optim.lr_scheduler_type": "cosine",
+    A + "optim.warmup_style": "cosine", A + "optim.min_lr_ratio": "0.1", A + "use_torch_compile": "False",
+    A + "fsdp_config.reshard_after_forward": "True", R + "n": "5", R + "temperature": "0.7", R + "top_p": "0.9",
+    R + "top_k": "20", R + "gpu_memory_utilization": "0.6", R + "tensor_model_parallel_size": "2",
+    R + "enforce_eager": "False", R + "max_num_seqs": "64", R + "prompt_length": "1024", R + "response_length": "2048",
+    R + "val_kwargs.n": "4", R + "val_kwargs.top_p": "0.95", R + "multi_turn.tool_config_path": "tools.yaml",
+    R + "multi_turn.interaction_config_path": "users.yaml", R + "multi_turn.max_parallel_calls": "2",
+    R + "multi_turn.max_tool_response_length": "512", R + "multi_turn.tool_response_truncate_side": "left",
+    R + "multi_turn.format": "qwen", "critic.optim.lr": "2e-5", "critic.optim.weight_decay": "0.01",
+    "critic.optim.betas": "[0.9,0.95]", "critic.optim.lr_scheduler_type": "cosine", "critic.grad_clip": "0.5",
+    "critic.optim.clip_grad": "3.0", "critic.ppo_micro_batch_size_per_gpu": "8", "critic.ppo_epochs": "2",
+    "critic.use_dynamic_bsz": "True", "critic.ppo_max_token_len_per_gpu": "32768", "critic.cliprange_value": "0.2",
+    "custom_reward_function.path": "my_reward.py", "custom_reward_function.name": "score",
+    "reward_model.micro_batch_size_per_gpu": "4", "reward_model.overlong_buffer.penalty_factor": "0.5",
+    "algorithm.use_kl_in_reward": "True", "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": "0.01",
+    "algorithm.kl_ctrl.horizon": "500", "algorithm.kl_ctrl.target_kl": "0.05", "algorithm.filter_groups.enable": "True",
+    "algorithm.filter_groups.metric": "seq_reward", "algorithm.filter_groups.max_num_gen_batches": "0",
+    "trainer.project_name": "verl_examples", "trainer.n_gpus_per_node": "2", "trainer.nnodes": "2",
+    "ray_kwargs.ray_init.num_cpus": "8", "trainer.val_before_train": "False", "trainer.max_actor_ckpt_to_keep": "5",
+}
+
+CONTEXT = {R + "tensor_model_parallel_size": ["trainer.n_gpus_per_node=2"]}  # what a sample needs to validate
+
+# Rows that convert: key -> (the verl overrides, what they must set). Hand-worked values in the comments.
+VIA = {
+    "data.train_files": (["data.train_files={data}/train.parquet", "data.val_files={data}/test.parquet"],
+                         {"data.source": "file", "data.path": "{data}"}),
+    "data.val_files": (["data.train_files={data}/train.parquet", "data.val_files={data}/test.parquet"],
+                       {"data.source": "file", "data.path": "{data}"}),
+    "data.truncation": (["data.truncation=left"], {"data.truncation": "left"}),
+    "data.train_max_samples": (["data.train_max_samples=100"], {"data.max_train_samples": 100}),
+    "data.val_max_samples": (["data.val_max_samples=50"], {"data.max_validation_samples": 50}),
+    "data.seed": (["data.seed=7"], {"run.seed": 7}),
+    M + "lora_rank": ([M + "lora_rank=32"], {"model.lora.rank": 32}),
+    M + "lora_alpha": ([M + "lora_rank=8", M + "lora_alpha=32"], {"model.lora.alpha": 32}),
+    M + "target_modules": ([M + "lora_rank=8", M + "target_modules=[q_proj,v_proj]"],
+                           {"model.lora.target_modules": ["q_proj", "v_proj"]}),
+    # global 8 over 2 GPUs x 1 node = 4 per device
+    A + "ppo_micro_batch_size": (["trainer.n_gpus_per_node=2", A + "ppo_micro_batch_size=8"],
+                                 {"rl.actor.micro_batch_size": 4}),
+    # verl: clip_ratio fills only the side given as null
+    A + "clip_ratio": ([A + "clip_ratio=0.3", A + "clip_ratio_low=null"],
+                       {"rl.actor.clip_ratio_low": 0.3, "rl.actor.clip_ratio_high": 0.2}),
+    A + "clip_ratio_low": ([A + "clip_ratio_low=0.1"], {"rl.actor.clip_ratio_low": 0.1}),
+    A + "clip_ratio_high": ([A + "clip_ratio_high=0.28"], {"rl.actor.clip_ratio_high": 0.28}),
+    A + "kl_loss_type": ([A + "kl_loss_type=k2"], {"rl.actor.kl_loss_type": "k2"}),
+    A + "policy_loss.loss_mode": ([A + "policy_loss.loss_mode=gspo"], {"rl.actor.policy_loss": "gspo"}),
+    A + "policy_loss.clip_cov_ratio": ([A + "policy_loss.loss_mode=clip_cov", A + "policy_loss.clip_cov_ratio=0.001"],
+                                      {"rl.actor.policy_loss.clip_cov_ratio": 0.001}),
+    A + "policy_loss.clip_cov_lb": ([A + "policy_loss.loss_mode=clip_cov", A + "policy_loss.clip_cov_lb=2.0"],
+                                   {"rl.actor.policy_loss.clip_cov_lb": 2.0}),
+    A + "policy_loss.clip_cov_ub": ([A + "policy_loss.loss_mode=clip_cov", A + "policy_loss.clip_cov_ub=4.0"],
+                                   {"rl.actor.policy_loss.clip_cov_ub": 4.0}),
+    A + "policy_loss.kl_cov_ratio": ([A + "policy_loss.loss_mode=kl_cov", A + "policy_loss.kl_cov_ratio=0.001"],
+                                    {"rl.actor.policy_loss.kl_cov_ratio": 0.001}),
+    A + "policy_loss.ppo_kl_coef": ([A + "policy_loss.loss_mode=kl_cov", A + "policy_loss.ppo_kl_coef=0.5"],
+                                   {"rl.actor.policy_loss.ppo_kl_coef": 0.5}),
+    A + "optim.lr_warmup_steps": ([A + "optim.lr_warmup_steps=5"], {"rl.actor.optim.warmup_steps": 5}),
+    # int(0.05 x 200) = 10
+    A + "optim.lr_warmup_steps_ratio": (["trainer.total_training_steps=200", A + "optim.lr_warmup_steps_ratio=0.05"],
+                                        {"rl.actor.optim.warmup_steps": 10}),
+    R + "name": ([R + "name=hf"], {"rl.rollout.engine": "hf"}),
+    R + "val_kwargs.temperature": ([R + "val_kwargs.temperature=0.6"], {"rl.rollout.val_temperature": 0.6}),
+    # verl samples greedily without do_sample, whatever the temperature (here: the recipe's 0.6)
+    R + "val_kwargs.do_sample": ([R + "val_kwargs.do_sample=False"], {"rl.rollout.val_temperature": 0.0},
+                                 "rl: {rollout: {val_temperature: 0.6}}"),
+    R + "multi_turn.max_assistant_turns": ([R + "multi_turn.max_assistant_turns=6"],
+                                           {"rl.multi_turn.max_assistant_turns": 6}),
+    R + "multi_turn.max_user_turns": ([R + "multi_turn.max_user_turns=2"], {"rl.multi_turn.max_user_turns": 2}),
+    "critic.optim.lr_warmup_steps": (["critic.optim.lr_warmup_steps=3"], {"rl.critic.optim.warmup_steps": 3}),
+    # int(0.1 x 100) = 10
+    "critic.optim.lr_warmup_steps_ratio": (
+        ["trainer.total_training_steps=100", "critic.optim.lr_warmup_steps_ratio=0.1"],
+        {"rl.critic.optim.warmup_steps": 10}),
+    # verl's actor first trains at step 3: steps 1 and 2 are critic-only
+    "trainer.critic_warmup": (["trainer.critic_warmup=3"], {"rl.critic.warmup_steps_before_actor": 2}),
+    "reward_model.enable": (["reward_model.enable=True", "reward_model.model.path=/models/rm"],
+                            {"rl.reward.reward_model_path": "/models/rm"}),
+    "reward_model.model.path": (["reward_model.enable=True", "reward_model.model.path=/models/rm"],
+                                {"rl.reward.reward_model_path": "/models/rm"}),
+    "reward_model.overlong_buffer.enable": (
+        ["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=128"],
+        {"rl.reward.overlong_buffer": 128}),
+    "reward_model.overlong_buffer.len": (["reward_model.overlong_buffer.enable=True",
+                                          "reward_model.overlong_buffer.len=64"], {"rl.reward.overlong_buffer": 64}),
+    "algorithm.adv_estimator": (["algorithm.adv_estimator=rloo_vectorized"], {"rl.algorithm.adv_estimator": "rloo"}),
+    "algorithm.gamma": (["algorithm.adv_estimator=gae", "algorithm.gamma=0.99"],
+                        {"rl.algorithm.adv_estimator.gamma": 0.99}),
+    "algorithm.lam": (["algorithm.adv_estimator=gae", "algorithm.lam=0.95"], {"rl.algorithm.adv_estimator.lam": 0.95}),
+    "algorithm.norm_adv_by_std_in_grpo": (["algorithm.norm_adv_by_std_in_grpo=False"],
+                                          {"rl.algorithm.adv_estimator.norm_adv_by_std_in_grpo": False}),
+    "algorithm.kl_penalty": (["algorithm.kl_penalty=low_var_kl"], {"rl.algorithm.kl_penalty": "low_var_kl"}),
+    # after data prep counts 100 rows: 3 epochs x (100 // 32) = 9 steps
+    "trainer.total_epochs": (["trainer.total_epochs=3"], {"rl.total_steps": 9}),
+    "trainer.total_training_steps": (["trainer.total_training_steps=50"], {"rl.total_steps": 50}),
+    "trainer.experiment_name": (["trainer.experiment_name=qwen2_7b_function_rm"], {"run.name": "qwen2_7b_function_rm"}),
+    "trainer.logger": (["trainer.logger=[console,wandb,file]"], {"tracking.backends": ["console", "wandb", "jsonl"]}),
+    "trainer.save_freq": (["trainer.save_freq=-1"], {"rl.save_freq": 0}),  # verl -1: never; here the end only
+    "trainer.test_freq": (["trainer.test_freq=7"], {"rl.test_freq": 7}),
+    "trainer.resume_mode": (["trainer.resume_mode=disable"], {"rl.resume_mode": "disable"}),
+}
+
+# Rows accepted only when the value is what this project does, where that depends on other keys:
+# key -> (accepted overrides, refused overrides, the reason the refusal gives).
+CHECKED = {
+    "data.gen_batch_size": (["data.gen_batch_size=32"], ["data.gen_batch_size=96"], "each generation round draws"),
+    "critic.enable": (["algorithm.adv_estimator=gae", "critic.enable=True"], ["critic.enable=True"],
+                      "the critic runs exactly when the estimator is gae here"),
+    "critic.model.path": ([M + "path=/m", "critic.model.path=/m"], [M + "path=/m", "critic.model.path=/other"],
+                          "the critic starts from the actor's model here"),
+    "critic.ppo_mini_batch_size": (["critic.ppo_mini_batch_size=16"], ["critic.ppo_mini_batch_size=8"],
+                                   "the critic trains on the actor's mini-batches here"),
+    "trainer.max_critic_ckpt_to_keep": (["trainer.max_critic_ckpt_to_keep=2"], ["trainer.max_critic_ckpt_to_keep=3"],
+                                        "actor and critic are saved in one checkpoint here"),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_gsm8k_parquet(tmp_path_factory.mktemp("verl-gsm8k"))
+
+
+def run(verl: list[str], recipe: Path | None = None, rows: int = 100):
+    """The config a verl command line resolves to (after data prep counted `rows` training rows)."""
+    cfg = load_config(recipe, translate(recipe, [], verl).overrides)
+    return resolve_after_data_prep(cfg, rows)[0]
+
+
+def value_at(cfg, key: str):
+    node = cfg.model_dump(mode="json")
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "<absent>"
+        node = node[part]
+    return node["name"] if isinstance(node, dict) and "name" in node and not key.endswith(".name") else node
+
+
+def without_record(cfg) -> dict:
+    dump = cfg.model_dump(mode="json")
+    dump["run"].pop("source_overrides")
+    return dump
+
+
+def test_every_row_of_the_table_is_tested():
+    kinds = {kind: {r.key for r in ROWS if r.kind == kind} for kind in ("same", "via", "only")}
+    assert kinds["same"] == set(SAME)
+    assert kinds["via"] == set(VIA)
+    assert set(CHECKED) <= kinds["only"] and all(TABLE[k].allowed for k in kinds["only"] - set(CHECKED))
+    assert len(TABLE) >= 60
+
+
+@pytest.mark.parametrize("key", sorted(SAME))
+def test_a_key_with_our_equivalent_sets_it(key):
+    ours, value = TABLE[key].ours, parse_value(SAME[key])
+    assert value_at(BASE, ours) != value  # the sample changes the field
+    assert value_at(run([*CONTEXT.get(key, []), f"{key}={SAME[key]}"]), ours) == value
+
+
+@pytest.mark.parametrize("key", sorted(VIA))
+def test_a_converted_key_sets_the_converted_value(key, data, tmp_path):
+    verl, expected, *recipe_text = VIA[key]
+    recipe = tmp_path / "recipe.yaml" if recipe_text else None
+    if recipe:
+        recipe.write_text(recipe_text[0])
+    cfg, base = run([arg.format(data=data) for arg in verl], recipe), load_config(recipe, IMPLIED)
+    expected = {ours: value.format(data=data) if isinstance(value, str) else value for ours, value in expected.items()}
+    assert any(value_at(base, ours) != value for ours, value in expected.items())  # the case changes something
+    assert {ours: value_at(cfg, ours) for ours in expected} == expected
+
+
+def _other(value):
+    """A value that is not `value`, in verl's syntax."""
+    if isinstance(value, bool):
+        return str(not value)
+    if value is None or isinstance(value, str):
+        return "something_else"
+    if isinstance(value, dict):
+        return "{a: 1}"
+    return str(value + 1)
+
+
+def _hydra(value) -> str:
+    return "null" if value is None else "{}" if value == {} else str(value)
+
+
+@pytest.mark.parametrize("key", sorted(r.key for r in ROWS if r.kind == "only"))
+def test_a_key_accepted_as_is_changes_nothing_and_refuses_other_values(key):
+    row = TABLE[key]
+    accepted, refused, reason = CHECKED.get(key) or ([f"{key}={_hydra(row.allowed[0])}"],
+                                                     [f"{key}={_other(row.allowed[0])}"], row.note.split(": ", 1)[1])
+    assert without_record(run(accepted)) == without_record(run(accepted[:-1]))
+    with pytest.raises(VerlKeyError) as err:
+        translate(None, [], refused)
+    [line] = [line for line in str(err.value).splitlines() if key in line]
+    assert line.strip().startswith(f"{refused[-1]}: ") and reason in line
+
+
+@pytest.mark.parametrize("key", sorted(r.key for r in ROWS if r.kind == "no_setting"))
+def test_a_key_with_no_setting_changes_nothing_and_says_why(key):
+    translation = translate(None, [], [f"{key}=1"])
+    assert without_record(load_config(None, translation.overrides)) == without_record(BASE)
+    assert any(line.startswith(f"{key}=1 -> nothing to set  # {TABLE[key].note}") for line in translation.lines)
+
+
+@pytest.mark.parametrize("key", sorted(r.key for r in ROWS if r.kind == "refused"))
+def test_a_refused_key_names_itself_and_the_reason(key):
+    with pytest.raises(VerlKeyError, match=re.escape(f"{key}=x: refused: {TABLE[key].note}")):
+        translate(None, [], [f"{key}=x"])
+
+
+@pytest.mark.parametrize(("given", "nearest"), [
+    (R + "temprature=0.7", R + "temperature"),
+    (A + "optim.lr_warmup_ratio=0.1", A + "optim.lr_warmup_steps_ratio"),
+    ("actor.optim.lr=1e-6", A + "optim.lr"),  # the end of a key: the key it ends
+    ("trainer.total_epoch=3", "trainer.total_epochs"),
+])
+def test_a_misspelt_key_names_the_nearest(given, nearest):
+    with pytest.raises(VerlKeyError, match=re.escape(f"{given}: not a verl key this project maps or refuses") +
+                       r".*" + re.escape(f"did you mean {nearest}?")):
+        translate(None, [], [given])
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(VerlKeyError) as err:
+        translate(None, [], [R + "name=sglang", "trainer.default_local_dir=/ckpt", "data.nope=1",
+                             A + "fsdp_config.param_offload=True", "no_equals_sign"])
+    lines = str(err.value).splitlines()[1:]
+    assert [line.split("=")[0].split(":")[0].strip() for line in lines] == [
+        "no_equals_sign", R + "name", "trainer.default_local_dir", "data.nope", A + "fsdp_config.param_offload"]
+
+
+@pytest.mark.parametrize(("raw", "value"), [
+    ("True", True), ("false", False), ("null", None), ("1e-6", 1e-6), ("-1", -1), ("1_000", 1000), (".5", 0.5),
+    ("'error'", "error"), ('"1"', "1"), ('["console","wandb"]', ["console", "wandb"]), ("[console, wandb]",
+    ["console", "wandb"]), ("[1e-6, 2]", [1e-6, 2]), ("{a: 1}", {"a": 1}), ("Qwen/Qwen2-7B", "Qwen/Qwen2-7B"), ("", ""),
+])
+def test_values_are_read_in_hydras_syntax(raw, value):
+    parsed = parse_value(raw)
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_hydra_prefixes_repeats_and_interpolations():
+    # '+key' adds a key in Hydra; here every table key exists, so it is the same override. The last value wins.
+    translation = translate(None, [], ["+data.train_batch_size=64", "data.train_batch_size=128"])
+    assert load_config(None, translation.overrides).rl.train_batch_size == 128
+    assert "(given 2 times: the last applies, as in Hydra)" in translation.lines[-1]
+    with pytest.raises(VerlKeyError, match=r"interpolations"):
+        translate(None, [], ["critic.optim.lr=${actor_rollout_ref.actor.optim.lr}"])
+
+
+def test_one_field_set_twice_is_an_error():
+    with pytest.raises(VerlKeyError, match=rf"{A}use_remove_padding=False sets rl.actor.use_remove_padding=false, but "
+                                           rf"{M}use_remove_padding=True sets it to true"):
+        translate(None, [], [M + "use_remove_padding=True", A + "use_remove_padding=False"])
+    with pytest.raises(VerlKeyError, match=r"n=5 sets rl.rollout.n, and so does the override rl.rollout.n=4"):
+        translate(None, ["rl.rollout.n=4"], [R + "n=5"])
+    assert run([M + "use_remove_padding=True", A + "use_remove_padding=True"]).rl.actor.use_remove_padding
+
+
+def test_lora_fields_follow_the_rank_as_in_verl(tmp_path):
+    assert run([M + "lora_alpha=32"]).model.lora is None  # lora_rank 0 (verl's default): no LoRA, alpha unread
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text("model:\n  lora: {rank: 4}\n")
+    on = load_config(recipe, translate(recipe, [], [M + "lora_alpha=32"]).overrides).model.lora
+    assert (on.rank, on.alpha) == (4, 32)  # LoRA on in the recipe: verl's alpha applies
+    assert load_config(recipe, translate(recipe, [], [M + "lora_rank=0"]).overrides).model.lora is None
+
+
+def test_the_tutorial_resolves_to_the_native_config(data, tmp_path):
+    """verl's examples/grpo_trainer/run_qwen2-7b.sh with its paths swapped. Nothing else changes: load_config checks
+    no device, so n_gpus_per_node=8 and tensor_model_parallel_size=2 stay; the model folder is not read here."""
+    model = tmp_path / "model"
+    translation = translate(None, [], tutorial(data, model))
+    cfg = load_config(None, translation.overrides)
+    assert pending(cfg) == ["trainer.total_epochs=15"] and cfg.run.source_overrides["trainer.total_epochs=15"] == [
+        "rl.total_steps=<after data prep: 15 x (training rows // 1024)>"]
+    cfg, lines = resolve_after_data_prep(cfg, 7473)  # GSM8K's train split: 15 x (7473 // 1024) = 105 steps
+    assert lines == ["trainer.total_epochs=15 -> rl.total_steps=105  # 7473 training rows"]
+    assert without_record(cfg) == without_record(load_config(None, native(data, model)))
+    assert set(cfg.run.source_overrides) == set(tutorial(data, model))
+    assert cfg.run.source_overrides[R + "n=5"] == ["rl.rollout.n=5"] and pending(cfg) == []
+    assert len(translation.lines) == len(tutorial(data, model)) + 1  # one per key, and the implied RL-only line
+
+
+def test_epochs_need_a_full_batch_and_yield_to_total_training_steps(data):
+    cfg = load_config(None, translate(None, [], ["trainer.total_epochs=2", "data.train_batch_size=64"]).overrides)
+    with pytest.raises(ConfigError, match=r"21 training rows make no full batch of data.train_batch_size=64"):
+        resolve_after_data_prep(cfg, 21)
+    cfg = run(["trainer.total_epochs=2", "trainer.total_training_steps=7"])
+    assert cfg.rl.total_steps == 7 and cfg.run.source_overrides["trainer.total_epochs=2"] == []
+    # a warmup ratio of a step count that waits for the rows waits too: 2 x (100 // 32) = 6 steps, int(0.5 x 6) = 3
+    cfg = run(["trainer.total_epochs=2", A + "optim.lr_warmup_steps_ratio=0.5"], rows=100)
+    assert (cfg.rl.total_steps, cfg.rl.actor.optim.warmup_steps) == (6, 3)
+    assert cfg.run.source_overrides[A + "optim.lr_warmup_steps_ratio=0.5"] == ["rl.actor.optim.warmup_steps=3"]
+
+
+def test_data_files_must_be_one_folder_split_by_names(tmp_path, data):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "train.parquet").write_bytes((data / "train.parquet").read_bytes())
+    (tmp_path / "a" / "heldout.parquet").write_bytes((data / "test.parquet").read_bytes())
+    with pytest.raises(VerlKeyError, match=r"validation files are found by name .* would be \[\], not "
+                                           r"\['heldout.parquet'\]; rename the files"):
+        translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet",
+                             f"data.val_files={tmp_path}/a/heldout.parquet"])
+    (tmp_path / "a" / "heldout.parquet").rename(tmp_path / "a" / "test.parquet")
+    (tmp_path / "a" / "more.jsonl").write_text("")
+    with pytest.raises(VerlKeyError, match=r"also holds .*more.jsonl; put the train and val files in a folder"):
+        translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet",
+                             f"data.val_files={tmp_path}/a/test.parquet"])
+    assert run([f"data.train_files={data}/train.parquet"]).data.path == f"{data}/train.parquet"
+
+
+def test_the_command_line_splits_at_verl():
+    argv = ["recipes/demo.yaml", "rl.total_steps=3", "--verl", "data.train_batch_size=8", "--verbose",
+            "trainer.nnodes=1"]
+    assert parse_args(argv) == ("recipes/demo.yaml", ["rl.total_steps=3", "tracking.console=verbose"],
+                                ["data.train_batch_size=8", "trainer.nnodes=1"])
+    assert parse_args(["--verl", "trainer.nnodes=1"]) == (None, [], ["trainer.nnodes=1"])
+
+
+def test_the_readme_table_is_the_table():
+    readme = (PROJECT / "README.md").read_text()
+    start, end = "<!-- verl-table: python -m infra.verl_overrides -->\n", "\n<!-- verl-table end -->"
+    assert readme[readme.index(start) + len(start):readme.index(end)] == markdown_table()
