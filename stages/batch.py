@@ -34,6 +34,11 @@ class Batch:
     def response_mask(self) -> torch.Tensor:
         return self.tensors["response_mask"]
 
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) tokens of each response, the model's and (multi-turn) the tools' and users': what counts against
+        data.max_response_length (verl's response_length). The model's alone: response_mask.sum(-1)."""
+        return self.tensors["attention_mask"][:, -self.num_response_tokens:].sum(-1)
+
     def select(self, rows: list[int] | torch.Tensor) -> Batch:
         index = torch.as_tensor(rows, dtype=torch.long)
         tensors = {k: v.index_select(0, index) for k, v in self.tensors.items()}

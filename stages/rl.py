@@ -301,7 +301,7 @@ class RLTrainer:
             scores = scores + reward.reward_model_weight * torch.tensor(rm, dtype=torch.float32)
             result.components["rm"] = rm
             result.metrics["reward/rm/mean"] = sum(rm) / max(len(rm), 1)
-        lengths = batch.response_mask.sum(-1).tolist()
+        lengths = batch.response_lengths().tolist()  # tool and user tokens too, as verl counts them
         penalty = torch.tensor(overlong_penalty(lengths, self.cfg.data.max_response_length, reward.overlong_buffer,
                                                 reward.overlong_penalty_factor), dtype=torch.float32)
         batch.tensors["scores"], batch.tensors["rewards"] = scores, scores + penalty

@@ -160,8 +160,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     """verl's data metrics: scores, rewards, advantages, returns, values, lengths, and the old policy's
     entropy (token mean, from the old-logprob pass; verl's actor/entropy)."""
     t, mask = batch.tensors, batch.response_mask
-    lengths = mask.sum(-1).float()
-    prompt_lengths = t["attention_mask"][:, : -batch.num_response_tokens].sum(-1).float()  # tool tokens: response
+    lengths = batch.response_lengths().float()  # model + tool/user tokens, as verl counts them
+    prompt_lengths = t["attention_mask"][:, : -batch.num_response_tokens].sum(-1).float()
     metrics = {}
     for name, values in (("critic/score", t["scores"]), ("critic/rewards", t["token_level_rewards"].sum(-1))):
         metrics.update(_stats(name, values.float()))
@@ -171,6 +171,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
             metrics.update(_stats(name, valid.float()))
     metrics.update(_stats("response_length", lengths))
     metrics["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
+    if not torch.equal(lengths, mask.sum(-1).float()):  # multi-turn: the model's own share
+        metrics.update(_stats("response_length/model_tokens", mask.sum(-1).float()))
     metrics.update(_stats("prompt_length", prompt_lengths))
     if "entropy" in t:
         metrics["actor/entropy"] = float(masked_mean(t["entropy"], mask))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from infra.config import load_config
 from stages.batch import build_batch
 from stages.model.policy import TokenLogprobs
 from stages.rollout.base import SamplingParams
@@ -348,7 +349,57 @@ def test_prefix_reuse_is_on_by_default_for_multi_turn_runs_only():
     assert prefix_cache_rows(load_config(None, [])) == 0
     cfg = load_config(None, [tools, "rl.rollout.engine=cuda"])
     assert prefix_cache_rows(cfg) == cfg.rl.rollout.max_num_seqs
-    assert prefix_cache_rows(load_config(None, [tools, "rl.rollout.engine=cuda", "rl.rollout.prefix_cache_rows=0"])) == 0
+    off = load_config(None, [tools, "rl.rollout.engine=cuda", "rl.rollout.prefix_cache_rows=0"])
+    assert prefix_cache_rows(off) == 0
     assert prefix_cache_rows(load_config(None, [tools])) == 0  # vllm: its own prefix cache
     assert prefix_router(cfg, engines=1) is None and isinstance(prefix_router(cfg, engines=2), PrefixRouter)
     assert prefix_router(load_config(None, [tools]), engines=2) is None  # vllm keeps its own prefix cache
+
+
+def test_tool_loop_on_the_cuda_engine_is_token_in_token_out_and_reuses_each_turn(tiny_model_dir):
+    """The real tool_agent loop over the cuda engine (eager on CPU): every turn a calculator call (a parser that
+    reads any text as one), turns cut at 6 tokens; the model's spans are the engine's outputs exactly, and each
+    later turn prefills only the tool answer and the reply's last token."""
+    from dataclasses import replace
+
+    from infra.rl_config import MultiTurnConfig
+    from stages.agent import LoopContext, Sample, ToolAgentLoop
+    from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer
+    from stages.tools.base import ToolCall
+    from stages.tools.calculator import CalculatorTool
+    from stages.tools.parsers import TOOL_PARSERS, register_parser
+
+    if "test_every_turn" not in TOOL_PARSERS:
+        register_parser("test_every_turn")(lambda text: (text, [ToolCall("calculator", {"expression": "6*7"})], []))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_model(tiny_model_dir, load_config(None, []).model, trainable=False)
+    outputs = {}
+    for rows in (0, 8):
+        engine = CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=8, max_model_len=256,
+                                   prefix_cache_rows=rows)
+        calls = []
+
+        def generate(prompt_ids, params, engine=engine, calls=calls):
+            outs = engine.generate(prompt_ids, replace(params, max_tokens=min(params.max_tokens, 6)))
+            calls.append((prompt_ids, outs, dict(engine.stats)))
+            return [replace(o, finish_reason="stop") for o in outs]
+
+        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": f"{k} + 1"}]) for k in range(3)]
+        ctx = LoopContext(generate, tokenizer, SamplingParams(n=1, temperature=0.0, max_tokens=120),
+                          {"calculator": CalculatorTool()},
+                          MultiTurnConfig(format="test_every_turn", max_assistant_turns=3, max_user_turns=3))
+        trajectories = ToolAgentLoop().run_batch(ctx, [Sample(k, p, []) for k, p in enumerate(prompts)])
+        outputs[rows] = [t.response_ids for t in trajectories]
+        assert [len(c[0]) for c in calls] == [3, 3, 3] and all(t.num_turns == 3 for t in trajectories)
+        full = [prompts[t.prompt_index] + t.response_ids for t in trajectories]
+        for prompt_ids, outs, _ in calls:  # each output sits in its trajectory right after the ids it was given
+            for ids, out in zip(prompt_ids, outs):
+                [whole] = [f for f in full if f[: len(ids)] == ids]
+                assert whole[len(ids): len(ids) + len(out.response_ids)] == out.response_ids
+        assert all(sum(t.response_mask) == 18 for t in trajectories)  # three turns of 6 model tokens
+        if rows:
+            reused = [stats["reused_tokens"] for _, _, stats in calls]
+            expected = [0] + [sum(len(p) + len(o.response_ids) - 1 for p, o in zip(calls[i][0], calls[i][1]))
+                              for i in range(2)]
+            assert reused == expected
+    assert outputs[0] == outputs[8]  # greedy: reuse changes nothing but the work

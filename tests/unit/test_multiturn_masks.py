@@ -392,3 +392,17 @@ def test_token_level_scores_on_last_valid_token():
     # estimators ignore rewards under the mask, and t5 of row 1 is a tool token
     expected = torch.zeros(4, 10).index_put((torch.arange(4), torch.tensor(LAST_VALID)), torch.tensor(SCORES))
     assert torch.equal(out, expected)
+
+
+def test_response_length_counts_tool_tokens_as_verl_does():
+    from stages.batch import build_batch
+    from stages.rl_data import data_metrics
+
+    # sample 0: 2 model tokens, 3 tool tokens, 1 model token; sample 1: 4 model tokens (single turn)
+    batch = build_batch([[5, 6, 7], [8]], [[9, 9, 1, 1, 1, 9], [9, 9, 9, 9]], [[0.0] * 6, [0.0] * 4], pad_token_id=0,
+                        response_masks=[[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]])
+    batch.tensors["scores"] = batch.tensors["token_level_rewards"] = torch.zeros(2, 6)
+    assert batch.response_lengths().tolist() == [6, 4]
+    metrics = data_metrics(batch, max_response_length=6)
+    assert metrics["response_length/mean"] == 5 and metrics["response_length/clip_ratio"] == 0.5
+    assert metrics["response_length/model_tokens/mean"] == 3.5 and metrics["prompt_length/mean"] == 2
