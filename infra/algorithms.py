@@ -1,7 +1,7 @@
 """Advantage estimators and policy losses as typed config variants (pydantic discriminated unions on `name`).
 
 Each variant holds its own parameters and declares what the loop must provide for it, so the RL stage plans from
-the declarations (`needs_critic`, `needs_greedy_baseline`) instead of comparing names:
+the declarations (`needs_critic`, `needs_greedy_baseline`, `needs_reference`, `pairwise`) instead of comparing names:
 
     rl.algorithm.adv_estimator: grpo                      # a name alone: the variant with its defaults
     rl.algorithm.adv_estimator: {name: gae, lam: 0.95}    # or the variant with parameters
@@ -49,6 +49,8 @@ def as_variant(value: Any, default: str) -> Any:
 class _Estimator(_Variant):
     needs_critic: ClassVar[bool] = False  # values from a critic (GAE)
     needs_greedy_baseline: ClassVar[bool] = False  # a greedy response's score per prompt (ReMax)
+    needs_reference: ClassVar[bool] = False  # reference logprobs, whatever the KL settings (online DPO)
+    pairwise: ClassVar[bool] = False  # the actor trains on (chosen, rejected) pairs with the DPO loss (online DPO)
 
 
 def _gamma():
@@ -114,9 +116,27 @@ class ReMax(_Estimator):
     name: Literal["remax"] = "remax"
 
 
+class OnlineDPO(_Estimator):
+    """Online DPO: of each group's n samples the best and the worst by reward form a (chosen, rejected) pair (no pair
+    where they are equal), and the actor minimises DPO's loss against the reference instead of rl.actor.policy_loss:
+    -log sigmoid(beta * [(log pi - log pi_ref)(chosen) - (log pi - log pi_ref)(rejected)]), sequence logprobs summed
+    over the model's tokens (stages/core/dpo.py). Its "advantages" are the preference labels: +1 on the chosen
+    sample, -1 on the rejected one, 0 elsewhere."""
+
+    needs_reference: ClassVar[bool] = True
+    pairwise: ClassVar[bool] = True
+    name: Literal["online_dpo"] = "online_dpo"
+    beta: float = Field(0.1, gt=0, allow_inf_nan=False,
+                        description="DPO's beta: the inverse temperature of the preference (TRL's default 0.1).")
+
+    def params(self) -> dict[str, Any]:
+        """The labels take no parameter; `beta` is the loss's (stages/workers/actor_loss.py reads it)."""
+        return {}
+
+
 AdvEstimator = Annotated[
     GAE | GRPO | DrGRPO | GRPOPassK | RLOO | OPO | GPGEstimator | ReinforcePlusPlus | ReinforcePlusPlusBaseline
-    | ReMax,
+    | ReMax | OnlineDPO,
     Field(discriminator="name"),
 ]
 

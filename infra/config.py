@@ -286,6 +286,11 @@ class Config(Section):
                 f"= {rows} samples per mini-batch must be divisible by the number of workers, "
                 f"ray.num_devices_per_node * ray.num_nodes = {ray.num_devices_per_node} * {ray.num_nodes} = {workers}"
             )
+        if self.rl.enabled and self.rl.algorithm.adv_estimator.pairwise and actor.ppo_mini_batch_size % workers:
+            raise ValueError(
+                f"rl.algorithm.adv_estimator={self.rl.algorithm.adv_estimator.name} trains on one pair per prompt, and "
+                f"no pair may be split across workers: rl.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} "
+                f"(pairs per mini-batch) must be divisible by the number of workers, {workers}")
         tp, engine = self.rl.rollout.tensor_model_parallel_size, self.rl.rollout.engine
         if self.rl.enabled and tp > 1 and engine != "vllm":
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "

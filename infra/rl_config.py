@@ -4,7 +4,7 @@ verl users will recognise the names: `rl.train_batch_size` (prompts per step), `
 `rl.actor.ppo_mini_batch_size` (prompts per optimizer step, global), `rl.actor.micro_batch_size`
 (sequences per forward/backward on one device), `rl.algorithm.adv_estimator`, `rl.actor.policy_loss`,
 `rl.actor.loss_agg_mode`, `rl.algorithm.use_kl_in_reward`, `rl.actor.use_kl_loss`. Algorithms are chosen
-by config alone; `recipes/` has GRPO, Dr.GRPO, DAPO, GSPO, PPO, RLOO and REINFORCE++ settings.
+by config alone; `recipes/` has GRPO, Dr.GRPO, DAPO, GSPO, PPO, RLOO, REINFORCE++ and online DPO settings.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra.algorithms import GRPO, AdvEstimator, PolicyLoss, Vanilla, as_variant
+from infra.rollout_correction import RolloutCorrectionConfig, check_policy_loss
 
 
 class _Section(BaseModel):
@@ -67,7 +68,8 @@ class TrainerConfig(_Section):
 
 
 class ActorConfig(TrainerConfig):
-    ppo_mini_batch_size: int = Field(16, gt=0, description="Prompts per optimizer step (global; x n samples).")
+    ppo_mini_batch_size: int = Field(
+        16, gt=0, description="Prompts per optimizer step (global; x n samples, or x one pair with online_dpo).")
     policy_loss: PolicyLoss = Field(
         default_factory=Vanilla, description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov, a name or {name: ..., "
         "its parameters} (infra/algorithms.py).")
@@ -133,8 +135,9 @@ class RolloutConfig(_Section):
 class AlgorithmConfig(_Section):
     adv_estimator: AdvEstimator = Field(
         default_factory=GRPO, description="gae | grpo | dr_grpo | rloo | reinforce_plus_plus | "
-        "reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk, a name or {name: ..., its parameters} "
-        "(gamma, lam, norm_adv_by_std_in_grpo, epsilon where the estimator has them; infra/algorithms.py).")
+        "reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk | online_dpo, a name or {name: ..., its "
+        "parameters} (gamma, lam, norm_adv_by_std_in_grpo, epsilon, beta where the estimator has them; "
+        "infra/algorithms.py).")
     @field_validator("adv_estimator", mode="before")
     @classmethod
     def _estimator_name(cls, value):
@@ -158,11 +161,19 @@ class AlgorithmConfig(_Section):
     filter_groups: bool = Field(False, description="DAPO dynamic sampling: drop groups with zero spread.")
     filter_groups_metric: Literal["score", "acc", "seq_reward"] = Field("acc")
     max_num_gen_batches: int = Field(10, ge=0, description="Generation batches per step at most (0: no limit).")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="verl's algorithm.rollout_correction: importance "
+        "weights and rejection for the engine/trainer logprob gap, bypass mode (infra/rollout_correction.py).")
 
 
 class RewardConfig(_Section):
     custom_path: str | None = Field(None, description="Python file with a verl-style reward function.")
     custom_function: str = Field("compute_score", description="Function name in custom_path.")
+    math_scorer: Literal["verl", "math_verify"] = Field(
+        "verl", description="Scorer of the MATH data_sources (lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, "
+        "HuggingFaceH4/MATH-500) under the default reward function. verl: as verl, the last \\boxed{} compared by "
+        "MATH's string normalisation (stages/rewards/math_reward.py); math_verify: math-verify's symbolic and "
+        "numeric equivalence, more lenient ('0.5' = '\\frac{2}{4}'). Other data_sources are unaffected.")
     num_workers: int = Field(2, gt=0, description="Scorer processes.")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample scorer timeout; a timeout scores 0.")
     max_failed_frac: float = Field(
@@ -253,10 +264,47 @@ class RLConfig(_Section):
                 raise ValueError(f"{field}={value!r} is unknown; valid: {', '.join(sorted(KL_ESTIMATORS.keys()))}")
         return self
 
+    @model_validator(mode="after")
+    def _pairs_fit(self) -> RLConfig:
+        """Online DPO (a pairwise estimator) trains on (chosen, rejected) pairs with its own loss."""
+        if not self.algorithm.adv_estimator.pairwise:
+            return self
+        name = self.algorithm.adv_estimator.name
+        if self.rollout.n < 2:
+            raise ValueError(f"rl.algorithm.adv_estimator={name} pairs the best and the worst of each prompt's "
+                             f"samples: rl.rollout.n={self.rollout.n} must be at least 2 (e.g. 4 or 8)")
+        if not self.actor.use_dynamic_bsz and self.actor.micro_batch_size % 2:
+            raise ValueError(f"rl.algorithm.adv_estimator={name} keeps each (chosen, rejected) pair in one "
+                             f"micro-batch: rl.actor.micro_batch_size={self.actor.micro_batch_size} must be even")
+        if self.actor.policy_loss.name != "vanilla":
+            raise ValueError(f"rl.algorithm.adv_estimator={name} trains with the DPO loss, so rl.actor.policy_loss="
+                             f"{self.actor.policy_loss.name} would be ignored: remove it (the DPO loss's parameter is "
+                             f"rl.algorithm.adv_estimator.beta)")
+        if self.algorithm.use_kl_in_reward:
+            raise ValueError(f"rl.algorithm.adv_estimator={name} ranks samples by their reward and stays near the "
+                             "reference through beta; rl.algorithm.use_kl_in_reward=true would change the ranking: "
+                             "set it to false")
+        corr = self.algorithm.rollout_correction
+        if corr.bypass_mode or corr.corrects:
+            raise ValueError(f"rl.algorithm.adv_estimator={name}'s loss compares whole sequences with the reference "
+                             "and takes no importance weights; rl.algorithm.rollout_correction (weights, rejection, "
+                             "bypass) would be ignored or cut pairs: leave it off")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_correction_fits_the_loss(self) -> RLConfig:
+        check_policy_loss(self.algorithm.rollout_correction, self.actor.policy_loss.name)
+        return self
+
     @property
     def uses_critic(self) -> bool:
         return self.algorithm.adv_estimator.needs_critic
 
     @property
     def uses_reference(self) -> bool:
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.adv_estimator.needs_reference
+
+    @property
+    def train_rows_per_prompt(self) -> int:
+        """Rows the actor trains on per prompt: its rollout.n samples, or one (chosen, rejected) pair (pairwise)."""
+        return 2 if self.algorithm.adv_estimator.pairwise else self.rollout.n

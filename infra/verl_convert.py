@@ -128,8 +128,14 @@ def _policy_loss(given: Given) -> str:
 _VECTORIZED = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}  # verl's faster code for the same math
 
 
+NOT_VERL = {"online_dpo"}  # ours only: set it with rl.algorithm.adv_estimator, not through verl's keys
+
+
 def adv_estimator(name: Any, _given: Given) -> Overrides:
     ours = _VECTORIZED.get(name, name)
+    if ours in NOT_VERL:
+        raise ValueError(f"{name!r} is not one of verl's estimators; it is this project's: set "
+                         f"rl.algorithm.adv_estimator={name} before --verl")
     if ours not in variant_names(AdvEstimator):
         raise ValueError(f"{name!r} is not implemented here; estimators: {', '.join(variant_names(AdvEstimator))}")
     return {"rl.algorithm.adv_estimator": ours}

@@ -68,6 +68,7 @@ def only(key: str, allowed: tuple, reason: str) -> VerlKey:
 
 
 A, R, M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+RC = "algorithm.rollout_correction."
 NO_OFFLOAD = "no CPU offload here: the sharded weights, gradients and optimizer state stay on the device"
 PER_DEVICE_PASSES = "no-grad log-prob passes use rl.actor.micro_batch_size (or the token budget); speed/memory only"
 
@@ -142,7 +143,8 @@ ROWS = [
     via(A + "kl_loss_type", "rl.actor.kl_loss_type", c.kl_name("rl.actor.kl_loss_type"),
         "kl/k1, mse/k2, low_var_kl/k3, abs, '+' forms; verl's full is refused"),
     via(A + "policy_loss.loss_mode", "rl.actor.policy_loss", c.loss_mode,
-        "vanilla, gspo, gpg, cispo, clip_cov, kl_cov; verl's sapo, geo_mean, bypass_mode are refused"),
+        "vanilla, gspo, gpg, cispo, clip_cov, kl_cov; verl's sapo, geo_mean are refused; bypass_mode: set "
+        "algorithm.rollout_correction.bypass_mode"),
     via(A + "policy_loss.clip_cov_ratio", "rl.actor.policy_loss.clip_cov_ratio", c.loss_param("clip_cov_ratio"),
         "with clip_cov (verl reads it only there)"),
     via(A + "policy_loss.clip_cov_lb", "rl.actor.policy_loss.clip_cov_lb", c.loss_param("clip_cov_lb"),
@@ -282,8 +284,17 @@ ROWS = [
     same("algorithm.kl_ctrl.horizon", "rl.algorithm.kl_horizon"),
     same("algorithm.kl_ctrl.target_kl", "rl.algorithm.target_kl"),
     only("algorithm.use_pf_ppo", (False,), "no preference-feedback reweighting (PF-PPO)"),
-    only("algorithm.rollout_correction.rollout_is", (None,), "no importance weighting of rollout/trainer mismatch; the "
-         "engine is checked against the trainer after each sync (rl.rollout.logprob_check_tol)"),
+    *(same(RC + key, "rl." + RC + key, note) for key, note in (
+        ("rollout_is", "token or sequence (TIS); null: no weights"),
+        ("rollout_is_threshold", ""),
+        ("rollout_is_batch_normalize", ""),
+        ("rollout_rs", "comma-separated criteria, e.g. token_k1 (IcePop), seq_mean_k1, seq_max_k3"),
+        ("rollout_rs_threshold", "k1 bounds 'lower_upper' apply to the ratio as verl's documentation says (verl's "
+         "code inverts asymmetric ones; symmetric ones agree)"),
+        ("bypass_mode", "no old-logprob pass; the policy loss stays rl.actor.policy_loss (verl switches to its "
+         "bypass_mode loss: vanilla or reinforce)"),
+        ("loss_type", "with bypass_mode; reinforce needs rl.actor.policy_loss=gpg (verl's REINFORCE loss)"),
+    )),
     same("algorithm.filter_groups.enable", "rl.algorithm.filter_groups", "DAPO recipe"),
     same("algorithm.filter_groups.metric", "rl.algorithm.filter_groups_metric", "DAPO recipe"),
     same("algorithm.filter_groups.max_num_gen_batches", "rl.algorithm.max_num_gen_batches", "DAPO recipe; 0: no limit"),

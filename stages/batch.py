@@ -131,28 +131,32 @@ def gather_rows(parts: list[torch.Tensor], shards: list[list[int]]) -> torch.Ten
     return out
 
 
-def balance_batch(batch: Batch, num_ranks: int, mini_rows: int) -> tuple[Batch, dict[str, float]]:
+def balance_batch(batch: Batch, num_ranks: int, mini_rows: int, unit_rows: int = 1) -> tuple[Batch, dict[str, float]]:
     """Reorder rows inside each mini-batch so its `num_ranks` parts (see `rank_rows`) hold similar numbers of
     tokens (greedy: longest row first, to the rank with the fewest tokens so far that has room). Per-row
     tensors and metadata (group ids included) move with their rows, so group statistics are unchanged; the
-    given order is kept when the greedy one would not lower the busiest rank's tokens.
+    given order is kept when the greedy one would not lower the busiest rank's tokens. `unit_rows` consecutive
+    rows move as one (online DPO's (chosen, rejected) pairs: 2; every rank's part must then hold whole units).
     Metrics: tokens per rank before and after."""
-    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
-    before = _rank_tokens(lengths, rank_rows(len(batch), num_ranks, mini_rows))
+    row_lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    before = _rank_tokens(row_lengths, rank_rows(len(batch), num_ranks, mini_rows))
     if num_ranks == 1:
         return batch, _seqlen_metrics(before, before)
+    assert unit_rows == 1 or (len(batch) % (num_ranks * unit_rows) == 0 and mini_rows % (num_ranks * unit_rows) == 0), (
+        f"{len(batch)} rows, mini-batches of {mini_rows}: not whole units of {unit_rows} rows on {num_ranks} ranks")
+    lengths = [sum(row_lengths[i : i + unit_rows]) for i in range(0, len(batch), unit_rows)]  # per unit
     order: list[int] = []
     totals = [0] * num_ranks  # tokens so far per rank: also balances the whole batch, not only each mini-batch
-    for start in range(0, len(batch), mini_rows):
-        rows = list(range(start, min(start + mini_rows, len(batch))))
-        sizes = [len(shard) for shard in rank_rows(len(rows), num_ranks, len(rows))]
+    for start in range(0, len(lengths), mini_rows // unit_rows):
+        units = list(range(start, min(start + mini_rows // unit_rows, len(lengths))))
+        sizes = [len(shard) for shard in rank_rows(len(units), num_ranks, len(units))]
         parts: list[list[int]] = [[] for _ in range(num_ranks)]
-        for row in sorted(rows, key=lambda i: (-lengths[i], i)):
+        for unit in sorted(units, key=lambda i: (-lengths[i], i)):
             k = min((k for k in range(num_ranks) if len(parts[k]) < sizes[k]), key=lambda k: (totals[k], k))
-            parts[k].append(row)
-            totals[k] += lengths[row]
-        order.extend(row for part in parts for row in sorted(part))
-    after = _rank_tokens([lengths[i] for i in order], rank_rows(len(batch), num_ranks, mini_rows))
+            parts[k].append(unit)
+            totals[k] += lengths[unit]
+        order.extend(unit * unit_rows + r for part in parts for unit in sorted(part) for r in range(unit_rows))
+    after = _rank_tokens([row_lengths[i] for i in order], rank_rows(len(batch), num_ranks, mini_rows))
     if max(after) >= max(before):  # the greedy (equal row counts per rank) can lose to the given order
         return batch, _seqlen_metrics(before, before)
     return batch.select(order), _seqlen_metrics(before, after)

@@ -28,6 +28,7 @@ base, sft, rl), one row per (data_source, metric) in long format, like `metrics`
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -190,11 +191,14 @@ def _samples(rollout: Rollout, prompts, rows: list[int], params: SamplingParams,
               if k in ("reward/errors", "reward/timeouts", "reward/nan") and v}
     if failed:
         logger.warning("evaluation: %s of %d responses scored 0 by the reward pool", failed, len(trajectories))
+    # scores: the reward function's alone (no tool rewards); acc: the reward's own where it returned one
+    # (math_dapo: score -1/+1, acc 0/1), None elsewhere (not NaN: the samples go to JSON)
+    accs = [None if math.isnan(a) else a for a in scored.result.components.get("acc", [math.nan] * len(trajectories))]
     return [{"prompt_index": t.prompt_index, "sampled": sampled, "data_source": prompts.data_sources[t.prompt_index],
              "prompt": prompts.prompts[t.prompt_index][-1]["content"], "response": t.text,
-             "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "reward_error": error,
-             "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
-            for t, score, error in zip(trajectories, scored.result.scores, scored.result.errors)]  # no tool rewards
+             "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "acc": acc,
+             "reward_error": error, "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
+            for t, score, acc, error in zip(trajectories, scored.result.scores, accs, scored.result.errors)]
 
 
 def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:

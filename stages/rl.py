@@ -4,8 +4,9 @@ One step: sample prompts -> generate n samples each (vLLM or hf, colocated with 
 (process pool with timeouts, plus `rl.reward.reward_model_weight` times a reward model's score when
 `rl.reward.reward_model_path` is set; DAPO dynamic sampling keeps generating until enough groups have varied
 rewards) -> old/ref logprobs and values -> advantages on the driver (stages/core registries) -> critic
-and actor updates -> weight sync into the engine, checked against the trainer -> metrics and
-trajectories to the store -> validation every `test_freq`, checkpoint every `save_freq`.
+and actor updates (online DPO: the actor on each group's best and worst sample as a pair) -> weight sync into
+the engine, checked against the trainer -> metrics and trajectories to the store -> validation every
+`test_freq`, checkpoint every `save_freq`.
 
 The driver holds no model. With N workers (`ray.num_devices_per_node * ray.num_nodes`) it balances each
 mini-batch's tokens across them, sends rank r its share (stages/batch.py `rank_rows`), and gathers per-row
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import tempfile
 import time
@@ -47,10 +49,12 @@ from stages.model.loading import load_tokenizer
 from stages.model.safe_load import load_state
 from stages.rewards.overlong import overlong_penalty
 from stages.rewards.pool import RewardPool
+from stages.rl_correction import corrected_batch
 from stages.rl_data import (
     PromptSampler,
     concat_batches,
     data_metrics,
+    preference_batch,
     rollout_batch,
     rollout_metrics,
     signal_metrics,
@@ -148,6 +152,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.reward_metrics: dict[str, float] = {}
         self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
+        self.warned_dropped_pairs = False
         self.step = 0
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -190,9 +195,12 @@ class RLTrainer:
                 batch, metrics = self.generate_and_score(step, timer)
             batch, seqlen_metrics = balance_batch(batch, self.world_size, self.mini_rows)
             metrics.update(seqlen_metrics)
-            with timer("old_log_prob"):
-                batch.tensors["old_logprobs"], batch.tensors["entropy"] = self.actor.map_rows(
-                    "compute_logprobs", batch, self.mini_rows, "actor", True)
+            if self.rl.algorithm.rollout_correction.bypass_mode:  # verl's bypass: pi_old is the engine's policy
+                batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
+            else:
+                with timer("old_log_prob"):
+                    batch.tensors["old_logprobs"], batch.tensors["entropy"] = self.actor.map_rows(
+                        "compute_logprobs", batch, self.mini_rows, "actor", True)
             if self.rl.uses_reference:
                 with timer("ref"):
                     batch.tensors["ref_logprobs"], _ = self.actor.map_rows("compute_logprobs", batch, self.mini_rows,
@@ -202,12 +210,14 @@ class RLTrainer:
                     batch.tensors["values"] = self.critic.map_rows("compute_values", batch, self.mini_rows)
             with timer("adv"):
                 metrics.update(self.compute_advantages(batch))
+            train, corr_metrics = corrected_batch(batch, self.rl.algorithm.rollout_correction)  # IS weights, rejection
+            metrics.update(corr_metrics)
             if self.critic:
                 with timer("update_critic"):
-                    metrics.update(self.critic.split_call("update", batch, self.mini_rows))
+                    metrics.update(self.critic.split_call("update", train, self.mini_rows))
             if step > self.rl.critic.warmup_steps_before_actor:
                 with timer("update_actor"):
-                    metrics.update(self.actor.split_call("update_actor", batch, self.mini_rows))
+                    metrics.update(self.update_actor(train))
             with timer("sync"):
                 metrics.update(self.actor.call_one("sync_weights", self._check_prompts()))
         metrics.update(self.step_metrics(batch, timer))
@@ -376,6 +386,20 @@ class RLTrainer:
         t["advantages"], t["returns"] = compute_advantages(estimator.name, inputs, **estimator.params())
         return metrics
 
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """The actor's update on the step's batch, or (online DPO) on its (chosen, rejected) pairs: the rest of
+        the step (metrics, trajectories) keeps every sample."""
+        if not self.rl.algorithm.adv_estimator.pairwise:
+            return self.actor.split_call("update_actor", batch, self.mini_rows)
+        pairs, metrics = preference_batch(batch, self.world_size)
+        if metrics["dpo/num_pairs_dropped"] and not self.warned_dropped_pairs:
+            self.warned_dropped_pairs = True
+            logger.warning("rl: online DPO leaves out the pairs beyond a multiple of the %d workers (every worker "
+                           "trains on as many pairs); counted in dpo/num_pairs_dropped", self.world_size)
+        mini_rows = self.rl.actor.ppo_mini_batch_size * 2
+        pairs, _ = balance_batch(pairs, self.world_size, mini_rows, unit_rows=2)
+        return {**metrics, **self.actor.split_call("update_actor", pairs, mini_rows)}
+
     # ---- metrics, validation -----------------------------------------------------------------------
 
     def step_metrics(self, batch: Batch, timer: StepTimer) -> dict[str, float]:
@@ -424,11 +448,12 @@ class RLTrainer:
         rows = list(range(num))
         with self.engines_awake():
             trajectories = self.rollout.run(self.val, rows, params)
-        scores = self.rollout.score(self.val, rows, trajectories).result.scores  # correctness: no tool rewards
+        result = self.rollout.score(self.val, rows, trajectories).result  # correctness: no tool rewards
+        accs = [None if math.isnan(a) else a for a in result.components.get("acc", [math.nan] * len(trajectories))]
         return [{"prompt_index": t.prompt_index, "data_source": self.val.data_sources[t.prompt_index], "score": s,
-                 "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),
+                 "acc": acc, "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),
                  "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
-                for t, s in zip(trajectories, scores)]
+                for t, s, acc in zip(trajectories, result.scores, accs)]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tables.write_metrics(step, metrics)

@@ -16,7 +16,7 @@ import torch
 from infra.learning_signal import group_signal_metrics
 from stages.agent.trajectory import Trajectory
 from stages.batch import Batch, build_batch
-from stages.core import masked_mean
+from stages.core import masked_mean, masked_sum, pair_order, preference_pairs
 from stages.data_prep import PromptSet
 
 
@@ -177,6 +177,20 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     if "entropy" in t:
         metrics["actor/entropy"] = float(masked_mean(t["entropy"], mask))
     return metrics
+
+
+def preference_batch(batch: Batch, num_ranks: int) -> tuple[Batch, dict[str, float]]:
+    """Online DPO's pair batch: each group's best and worst sample by reward (stages/core/dpo.py; the rows the
+    `online_dpo` labels mark +1 and -1) in the pair layout [chosen_0, rejected_0, chosen_1, ...], groups without a
+    preference dropped. The pairs beyond a multiple of `num_ranks` are left out, so every worker trains on as many
+    whole pairs. Metrics: pairs kept and left out, and the share of the step's groups that formed a pair."""
+    mask = batch.response_mask
+    pairs = preference_pairs(masked_sum(batch.tensors["token_level_rewards"], mask, dim=-1), batch.meta["group_id"])
+    num_pairs = int(pairs.preferred.sum())
+    kept = num_pairs - num_pairs % num_ranks
+    metrics = {"dpo/num_pairs": float(kept), "dpo/num_pairs_dropped": float(num_pairs - kept),
+               "dpo/frac_groups_paired": num_pairs / max(len(pairs.preferred), 1)}
+    return batch.select(pair_order(pairs)[: 2 * kept]), metrics
 
 
 def signal_metrics(batches: list[Batch]) -> dict[str, float]:

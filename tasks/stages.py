@@ -134,7 +134,7 @@ def _eval_sections(cfg: Config) -> tuple:
     ev, reward = cfg.evaluate, cfg.rl.reward
     return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
             cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
-            reward.custom_path, reward.custom_function, str(reward.timeout_s), str(cfg.run.seed),
+            reward.custom_path, reward.custom_function, reward.math_scorer, str(reward.timeout_s), str(cfg.run.seed),
             content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
 
 

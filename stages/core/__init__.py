@@ -10,10 +10,14 @@ response tokens, V vocabulary; `response_mask` is bool (B, T).
     advantages    one plain function per advantage estimator.
     estimators    AdvantageInputs, ADV_ESTIMATORS and compute_advantages: the loop's one call convention.
     policy_loss   POLICY_LOSSES: vanilla, gspo, gpg, cispo (+ the call convention).
+    dpo           online DPO: preference_pairs, pair_order, preference_advantages (the `online_dpo`
+                  estimator's labels), dpo_loss.
     cov_losses    clip_cov, kl_cov (registered into POLICY_LOSSES).
     kl            KL_ESTIMATORS, kl_penalty, apply_kl_penalty, kl_loss, KL controllers.
     entropy       entropy_from_logits, logprobs_from_logits.
     value_loss    clipped_value_loss.
+    rollout_correction  rollout_correction: importance weights and rejection masks for the engine/trainer
+                  logprob gap, off-policy metrics (imported from the module, not re-exported here).
 """
 
 from stages.core.advantages import (
@@ -28,6 +32,7 @@ from stages.core.advantages import (
     rloo_advantages,
 )
 from stages.core.cov_losses import clip_cov_policy_loss, kl_cov_policy_loss
+from stages.core.dpo import Pairs, dpo_loss, pair_order, preference_advantages, preference_pairs
 from stages.core.entropy import entropy_from_logits, logprobs_from_logits
 from stages.core.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
 from stages.core.kl import (
@@ -66,6 +71,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageInputs",
     "FixedKLController",
+    "Pairs",
     "Registry",
     "agg_loss",
     "apply_kl_penalty",
@@ -73,6 +79,7 @@ __all__ = [
     "clip_cov_policy_loss",
     "clipped_value_loss",
     "compute_advantages",
+    "dpo_loss",
     "entropy_from_logits",
     "gae_advantages",
     "gpg_advantages",
@@ -91,6 +98,9 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "opo_advantages",
+    "pair_order",
+    "preference_advantages",
+    "preference_pairs",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",

@@ -19,6 +19,7 @@ ignores the rest (the table below); a tensor it needs but finds None raises a `V
     reinforce_plus_plus            rewards, mask                          gamma
     reinforce_plus_plus_baseline   rewards, mask, index                   -
     remax                          rewards, mask, reward_baselines        -
+    online_dpo                     rewards, mask, index                   - (labels +1/-1/0; see `dpo`)
 
 The math lives in `stages.core.advantages`, one plain function per estimator, for direct use and tests.
 """
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from stages.core import advantages as adv
+from stages.core import dpo
 from stages.core.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -155,3 +157,8 @@ def _rpp_baseline(x: AdvantageInputs, *, gamma: float, lam: float, epsilon: floa
 def _remax(x: AdvantageInputs, *, gamma: float, lam: float, epsilon: float, norm_adv_by_std_in_grpo: bool):
     baselines = x.require("reward_baselines", "remax")
     return adv.remax_advantages(x.token_level_rewards, baselines, x.response_mask)
+
+
+@ADV_ESTIMATORS.register("online_dpo")
+def _online_dpo(x: AdvantageInputs, *, gamma: float, lam: float, epsilon: float, norm_adv_by_std_in_grpo: bool):
+    return dpo.preference_advantages(x.token_level_rewards, x.response_mask, x.require("index", "online_dpo"))

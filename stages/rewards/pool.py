@@ -3,8 +3,9 @@
 `RewardPool` owns `num_workers` processes started with the "forkserver" context (the parent may hold
 torch, vLLM or Ray state and threads, so forking it is unsafe; the fork server is a fresh interpreter,
 and forking a worker from it is cheap). Each worker loads the reward function itself: the default
-`stages.rewards.default_compute_score`, or the user's function by file path and name (a function loaded
-from a file cannot be pickled by reference). The parent loads it once too, so a wrong path or name is a
+`stages.rewards.default_compute_score` with `cfg.math_scorer` bound, or the user's function by file path and
+name (a function loaded from a file cannot be pickled by reference); the path, name and math_scorer travel as
+the worker's start arguments. The parent loads a user's function once too, so a wrong path or name is a
 ValueError at construction.
 
 Protocol, per worker, over one duplex Pipe:
@@ -27,6 +28,7 @@ a NaN/inf score scores 0 and counts as "nan". Each such sample is logged; the ru
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import multiprocessing
@@ -74,15 +76,17 @@ class RewardResult:
 # Worker side
 
 
-def _load_fn(custom_path: str | None, custom_function: str):
-    return default_compute_score if custom_path is None else load_reward_fn(custom_path, custom_function)
+def _load_fn(custom_path: str | None, custom_function: str, math_scorer: str):
+    if custom_path is None:
+        return functools.partial(default_compute_score, math_scorer=math_scorer)
+    return load_reward_fn(custom_path, custom_function)
 
 
-def _worker_main(conn: Connection, custom_path: str | None, custom_function: str) -> None:
+def _worker_main(conn: Connection, custom_path: str | None, custom_function: str, math_scorer: str) -> None:
     """Load the reward function, say ready, then score chunks until None or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
     try:
-        fn = _load_fn(custom_path, custom_function)
+        fn = _load_fn(custom_path, custom_function, math_scorer)
     except Exception as exc:  # the user's file may raise anything on import: report it to the parent
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
@@ -145,9 +149,9 @@ def _normalise(raw: Any) -> tuple[float, dict[str, float], str | None, tuple[str
 class _Worker:
     """One worker process, its end of the pipe, and the chunk indices it has not reported yet."""
 
-    def __init__(self, ctx, custom_path: str | None, custom_function: str) -> None:
+    def __init__(self, ctx, custom_path: str | None, custom_function: str, math_scorer: str) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, custom_path, custom_function),
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, custom_path, custom_function, math_scorer),
                                    name="reward-worker", daemon=True)
         self.process.start()
         child_conn.close()  # so that the worker's death reads as EOF here
@@ -185,6 +189,10 @@ class RewardPool:
         if cfg.custom_path is not None:
             load_reward_fn(cfg.custom_path, cfg.custom_function)  # ValueError here, not in a worker
             self._custom_path = str(Path(cfg.custom_path).expanduser().resolve())
+            if cfg.math_scorer != RewardConfig.model_fields["math_scorer"].default:
+                logger.warning("rl.reward.math_scorer=%s does not apply: rl.reward.custom_path replaces the default "
+                               "reward function (call stages.rewards.default_compute_score(..., math_scorer=%r) from "
+                               "yours to use it)", cfg.math_scorer, cfg.math_scorer)
         self._ctx = multiprocessing.get_context("forkserver")
         _preload_rewards(self._ctx)
         self._warned_keys: set[str] = set()
@@ -237,7 +245,7 @@ class RewardPool:
     # -- the event loop ---------------------------------------------------------------------------
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self._custom_path, self.cfg.custom_function)
+        return _Worker(self._ctx, self._custom_path, self.cfg.custom_function, self.cfg.math_scorer)
 
     def _discard_stale(self) -> None:
         """Replace workers still busy with a batch that was interrupted (an exception or Ctrl-C in score()):

@@ -7,7 +7,7 @@ at N = 1), and every worker has its own rollout engine that generates its share 
 (data-parallel rollout). The world is created first; vLLM then joins it in external-launcher mode with
 tensor parallel size 1, so each engine still computes alone (see stages/model/fsdp.py). The reference is
 the base model with LoRA disabled when LoRA is on, otherwise a frozen sharded copy; it is only built when
-a KL term needs it.
+a KL term or online DPO needs it.
 
 Weight sync streams the actor's parameters into the engine one decoder layer at a time (each gathered
 from the shards, LoRA merged), so no device holds a second full copy next to the engine's.
@@ -128,7 +128,9 @@ class ActorRolloutWorker:
         self.ref = None
         if self.rl.uses_reference and cfg.model.lora is None:  # frozen: stored in model.dtype
             self.ref = self._sharded(load_model(model_dir, cfg.model, trainable=False))
-        self.trainer = TrainEngine("actor", self.actor, self.rl.actor, self.rl.total_steps, local_mini_rows(cfg))
+        pair_rows = 2 if self.rl.algorithm.adv_estimator.pairwise else 1  # online DPO: a pair in one micro-batch
+        self.trainer = TrainEngine("actor", self.actor, self.rl.actor, self.rl.total_steps, local_mini_rows(cfg),
+                                   pair_rows)
         lora = cfg.model.lora
         self.lora_scale = lora.alpha / lora.rank if lora else None
         torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)

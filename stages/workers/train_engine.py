@@ -38,8 +38,10 @@ LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
 class TrainEngine:
     """A trained model's optimizer, LR schedule and update loop (`update`), and its checkpoint state."""
 
-    def __init__(self, role: str, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int, mini_rows: int):
-        self.role, self.model, self.cfg, self.mini_rows = role, model, cfg, mini_rows
+    def __init__(self, role: str, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int, mini_rows: int,
+                 unit_rows: int = 1):
+        """`unit_rows`: consecutive rows that must share a micro-batch (2: online DPO's (chosen, rejected) pairs)."""
+        self.role, self.model, self.cfg, self.mini_rows, self.unit_rows = role, model, cfg, mini_rows, unit_rows
         self.optimizer = build_optimizer(model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
 
@@ -62,7 +64,7 @@ class TrainEngine:
         """Accumulate the mini-batch's micro-batch gradients, clip, step; -> 1.0 if the step was skipped."""
         denominators = global_denominators(mini.response_mask)
         mini_loss = 0.0
-        for rows in accumulate(self.model, micro_batches(mini, self.cfg), self.cfg):
+        for rows in accumulate(self.model, micro_batches(mini, self.cfg, self.unit_rows), self.cfg):
             micro = mini.select(rows)
             loss, metrics = loss_fn(micro, denominators)
             loss.backward()
@@ -79,21 +81,24 @@ class TrainEngine:
         load_train_state(path, self.model, self.optimizer, self.scheduler)
 
 
-def micro_batches(batch: Batch, cfg: TrainerConfig) -> list[list[int]]:
+def micro_batches(batch: Batch, cfg: TrainerConfig, unit_rows: int = 1) -> list[list[int]]:
     """Row groups: `micro_batch_size` rows each, or (dynamic, verl's use_dynamic_bsz) as many groups as a
     budget of `max_token_len_per_device` tokens each needs, balanced in tokens (so no group is a small
     remainder; each stays within about one sequence of the budget); as many groups on every rank (the
-    largest count any rank needs; see `balanced_groups`)."""
-    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    largest count any rank needs; see `balanced_groups`). Units of `unit_rows` consecutive rows (a DPO pair:
+    2) are never split: the groups are made of units (the config makes micro_batch_size a multiple)."""
+    row_lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    lengths = [sum(row_lengths[i : i + unit_rows]) for i in range(0, len(row_lengths), unit_rows)]  # per unit
     if cfg.use_dynamic_bsz:
         groups = []
         count = budget_count(lengths, cfg.max_token_len_per_device)
     else:
-        rows = list(range(len(lengths)))
-        groups = [rows[s : s + cfg.micro_batch_size] for s in range(0, len(rows), cfg.micro_batch_size)]
+        units, size = list(range(len(lengths))), max(1, cfg.micro_batch_size // unit_rows)
+        groups = [units[s : s + size] for s in range(0, len(units), size)]
         count = len(groups)
     count = int(all_reduce(torch.tensor(float(count)), dist.ReduceOp.MAX))
-    return groups if count == len(groups) else balanced_groups(lengths, count)
+    groups = groups if count == len(groups) else balanced_groups(lengths, count)
+    return [[u * unit_rows + k for u in group for k in range(unit_rows)] for group in groups]
 
 
 def budget_count(lengths: list[int], budget: int) -> int:
@@ -181,10 +186,10 @@ def accumulate(model, groups: list[list[int]], cfg: TrainerConfig):
 
 
 def local_mini_rows(cfg: Config) -> int:
-    """Rows of one mini-batch on this rank: its share of `ppo_mini_batch_size * n` (the config checks that
-    the number of workers divides it)."""
+    """Rows of one mini-batch on this rank: its share of `ppo_mini_batch_size * n` (online DPO: `* 2`, one pair
+    per prompt; the config checks that the number of workers divides it)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return cfg.rl.actor.ppo_mini_batch_size * cfg.rl.rollout.n // world
+    return cfg.rl.actor.ppo_mini_batch_size * cfg.rl.train_rows_per_prompt // world
 
 
 def global_denominators(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -21,14 +21,15 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 from stages.model.safe_load import UnsafeCheckpointError
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
-RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
+RL = ["rl.enabled=true", "rl.total_steps=2", "rl.train_batch_size=8", "rl.rollout.n=4",
+      "rl.actor.ppo_mini_batch_size=4",
       "rl.rollout.engine=hf", "rl.save_freq=1", "rl.max_ckpt_to_keep=2", "rl.test_freq=0", "rl.val_before_train=false",
       "rl.actor.optim.lr=1e-3", "rl.reward.num_workers=1", "data.max_response_length=24"]
 NAME = "rl-safety"

@@ -17,7 +17,8 @@ from tests.conftest import TINY_OVERRIDES
 from tests.integration.test_merge import spread_model
 from tests.tolerances import greedy_margin
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster"), pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster"),
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
 
 N = 4
 NUM_PROMPTS = 12

@@ -18,8 +18,8 @@ import torch
 from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 from stages.batch import build_batch
 from stages.merge import (
     checkpoint_metadata,
@@ -28,7 +28,6 @@ from stages.merge import (
     merge_source,
     read_model_state,
     resolve_checkpoint,
-    store_merged,
 )
 from tests.conftest import TINY_OVERRIDES
 from tests.tolerances import greedy_margin

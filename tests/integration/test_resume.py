@@ -30,7 +30,8 @@ def overrides(tmp_path):
         f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}", "tracking.backends=[console]",
         "rl.enabled=true", f"rl.total_steps={STEPS}", f"rl.train_batch_size={BATCH}", f"rl.rollout.n={N}",
         "rl.actor.ppo_mini_batch_size=4", "rl.save_freq=2", "rl.test_freq=0", "rl.val_before_train=false",
-        "rl.actor.optim.lr=1e-4", "rl.actor.optim.warmup_steps=4", "rl.actor.optim.lr_scheduler=cosine", "rl.reward.num_workers=1",
+        "rl.actor.optim.lr=1e-4", "rl.actor.optim.warmup_steps=4", "rl.actor.optim.lr_scheduler=cosine",
+        "rl.reward.num_workers=1",
         "ray.num_cpus=2", "data.max_response_length=32",
     ]
 

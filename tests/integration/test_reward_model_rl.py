@@ -12,8 +12,8 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 from stages.rewards import default_compute_score
 from stages.rewards.reward_model import RewardModelScorer
 from tests.conftest import TINY_OVERRIDES

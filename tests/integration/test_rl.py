@@ -4,7 +4,6 @@ the reward process pool, trajectory tables in the store and SQL over them.
 One Ray instance for the module; each run starts its own colocated worker (vLLM starts in ~5 s in-process).
 """
 
-import json
 import math
 
 import pytest
@@ -13,18 +12,20 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source
 from stages.model.loading import load_model
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
-RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollout.n=4", "rl.actor.ppo_mini_batch_size=4",
+RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollout.n=4",
+      "rl.actor.ppo_mini_batch_size=4",
       "rl.actor.micro_batch_size=16", "rl.test_freq=2", "rl.save_freq=2", "rl.max_validation_samples=8",
       "rl.actor.optim.lr=1e-4", "rl.reward.num_workers=1", "data.max_response_length=40"]
 
+RC = "rl.algorithm.rollout_correction."
 VERL_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "perf/throughput",
@@ -79,7 +80,10 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
      "rl.algorithm.use_kl_in_reward=true", "rl.algorithm.kl_ctrl_type=adaptive"],
     ["model.lora.rank=8", "rl.actor.use_kl_loss=true", "rl.actor.optim.lr=1e-3"],
     ["rl.actor.use_remove_padding=true", "rl.actor.use_kl_loss=true"],
-], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss", "packed"])
+    [RC + "rollout_is=token", RC + "rollout_rs=token_k1", RC + "rollout_rs_threshold=0.5_2.0"],
+    [RC + "bypass_mode=true", RC + "rollout_rs=seq_max_k3", RC + "rollout_rs_threshold=0.01"],
+], ids=["ppo", "rloo", "reinforce_pp", "remax", "gspo", "dr_grpo_kl_reward", "lora_kl_loss", "packed", "tis_icepop",
+        "bypass_rs"])
 def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):
     result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.total_steps=2", "rl.val_before_train=false",
                        *overrides)
@@ -88,6 +92,13 @@ def test_algorithms_run(tiny_data_dir, tiny_model_dir, tmp_path, overrides):
     assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3  # synced weights (LoRA: merged) match
     if "rl.algorithm.adv_estimator=gae" in overrides:
         assert all(math.isfinite(v) for v in metric(root, "critic/vf_loss"))
+    if any(o.startswith(RC) for o in overrides):  # the engine (fp32) and the trainer agree: weights ~1, none rejected
+        assert len(metric(root, "rollout_corr/kl")) == 2 and max(map(abs, metric(root, "rollout_corr/kl"))) < 1e-3
+        assert metric(root, "rollout_corr/rollout_rs_masked_fraction") == [0.0, 0.0]
+        bypass = RC + "bypass_mode=true" in overrides
+        assert bool(metric(root, "timing_s/old_log_prob")) != bypass  # bypass: no old-logprob pass
+        if not bypass:
+            assert all(abs(v - 1) < 1e-3 for v in metric(root, "rollout_corr/rollout_is_mean"))
 
 
 def test_hf_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):

@@ -14,8 +14,8 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -62,15 +62,45 @@ def sft_model(tmp_path_factory):
      "rl.actor.clip_ratio_high=0.28", "rl.actor.loss_agg_mode=token-mean", "rl.reward.overlong_buffer=8"],
 ], ids=["grpo", "ppo", "rloo", "reinforce_pp", "dapo"])
 def test_algorithm_raises_mean_reward(sft_model, tmp_path, overrides):
+    scores = step_scores(learn(sft_model, tmp_path / "store", overrides))
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert last > first + 0.1, scores
+
+
+def learn(sft_model, store_dir, overrides: list[str]) -> ArtifactStore:
+    """RL from the SFT model; -> the store with the run's tables."""
     from stages.rl import run_rl
 
     data_dir, model_dir = sft_model
     cfg = load_config(None, TASK + RL + overrides)
-    store = ArtifactStore(str(tmp_path / "store"))
+    store = ArtifactStore(str(store_dir))
     run_rl(cfg, str(model_dir), data_dir, StoreCheckpoints(store, "learn", 1), RunTables(store, "learn"), Tracker([]))
-    scores = [r["s"] for r in query(store, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
+    return store
+
+
+def step_scores(store: ArtifactStore) -> list[float]:
+    """The mean score of every sample of each step, from the `rollouts` table."""
+    return [r["s"] for r in query(store, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
+
+
+def test_online_dpo_raises_mean_reward(sft_model, tmp_path):
+    """Online DPO (best vs worst of 8 samples, beta 0.1) raises the mean reward of all samples; the same run with a
+    learning rate of ~0 does not (a tiny beta would be no control: Adam undoes the loss's scale). With 4 samples it
+    learns too, by less: +0.16 here against +0.21 with 8."""
+    dpo = ["rl.algorithm.adv_estimator=online_dpo", "rl.rollout.n=8"]
+    store = learn(sft_model, tmp_path / "dpo", dpo)
+    scores, still = step_scores(store), step_scores(learn(sft_model, tmp_path / "control", dpo + [
+        "rl.actor.optim.lr=1e-12"]))
+    metrics = {(r["name"], r["step"]): r["value"] for r in query(
+        store, "SELECT name, step, value FROM metrics WHERE name LIKE 'dpo/%' OR name = 'actor/dpo_loss'")}
+    print(f"online DPO: {[round(s, 3) for s in scores]}; lr 1e-12: {[round(s, 3) for s in still]}")  # pytest -rP
+    for name in sorted({n for n, _ in metrics}):
+        print(name, [round(metrics[name, step], 3) for step in range(1, len(scores) + 1)])
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last > first + 0.1, scores
+    assert last > sum(still[-3:]) / 3 + 0.1, (scores, still)  # each step draws the same prompts in both runs
+    assert sum(still[-3:]) / 3 < sum(still[:3]) / 3 + 0.1, still
+    assert all(metrics["dpo/num_pairs", step] > 0 for step in range(1, len(scores) + 1)), metrics
 
 
 # The demo's task, small: 60% of the SFT rows answer with only "#### N", so the SFT model's greedy answer skips

@@ -187,7 +187,8 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
     cfg = load_config(None, TINY_OVERRIDES + RL + [
         "rl.rollout.engine=hf", "rl.algorithm.adv_estimator=gae", "rl.actor.micro_batch_size=3",
         "rl.critic.micro_batch_size=5", "rl.actor.use_kl_loss=true", "rl.actor.kl_loss_coef=0.1",
-        "rl.actor.entropy_coeff=0.01", "rl.actor.optim.lr=1e-4", "rl.critic.optim.lr=1e-3", "rl.actor.optim.grad_clip=100",
+        "rl.actor.entropy_coeff=0.01", "rl.actor.optim.lr=1e-4", "rl.critic.optim.lr=1e-3",
+        "rl.actor.optim.grad_clip=100",
         "rl.critic.optim.grad_clip=100"])
     batch, check_prompts = a_batch(cfg, tiny_model_dir, tiny_data_dir)
     one = run_workers(cfg, str(tiny_model_dir), batch, check_prompts, 1)
@@ -245,6 +246,59 @@ def assert_same_adam_steps(one: dict, two: dict, lr: float, k: float = 1000.0) -
         num_stable, num_entries = num_stable + int(stable.sum()), num_entries + stable.numel()
     # left out: entries within k x the runs' difference (~1e-6 of a tensor's largest entry) of 0, a small share
     assert num_stable > 0.99 * num_entries
+
+
+def dpo_update(cfg, model_dir, pairs: Batch, num_workers: int, ref_logprobs: torch.Tensor | None = None) -> dict:
+    """Online DPO's update as the driver dispatches it (`RLTrainer.update_actor`: pairs balanced as units, mini-batches
+    of ppo_mini_batch_size pairs) on `num_workers` workers; `ref_logprobs` in `row` order replace the computed ones."""
+    from stages.workers.actor_rollout import ActorRolloutWorker
+    from stages.workers.group import Placement, WorkerGroup
+
+    cfg = cfg.model_copy(update={"ray": RayConfig(num_devices_per_node=num_workers)})
+    mini_rows = cfg.rl.actor.ppo_mini_batch_size * 2
+    placement = Placement(cfg.ray, num_roles=1)
+    actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir, placement)
+    try:
+        pairs, _ = balance_batch(pairs, num_workers, mini_rows, unit_rows=2)
+        t = pairs.tensors
+        t["old_logprobs"], _ = actor.map_rows("compute_logprobs", pairs, mini_rows, "actor")
+        t["ref_logprobs"], _ = actor.map_rows("compute_logprobs", pairs, mini_rows, "ref")
+        out = {"ref_logprobs": t["ref_logprobs"][torch.argsort(torch.tensor(pairs.meta["row"]))]}
+        if ref_logprobs is not None:
+            t["ref_logprobs"] = ref_logprobs[torch.tensor(pairs.meta["row"])]
+        actor.call("__ray_call__", keep_gradients, "actor")
+        out["metrics"] = actor.split_call("update_actor", pairs, mini_rows)
+        out["grads"] = actor.call_one("__ray_call__", kept_gradients)
+    finally:
+        actor.kill()
+        placement.remove()
+    return out
+
+
+@pytest.mark.slow
+def test_two_workers_train_online_dpo_pairs_as_one_worker(ray_cluster, tiny_model_dir, tiny_data_dir):
+    """The pair batch through 1 and 2 workers (a pair per micro-batch at N = 1, other splits at N = 2): the same
+    DPO loss, metrics and gradients, so no pair was split or mismatched across ranks or micro-batches."""
+    from stages.rl_data import preference_batch
+
+    cfg = load_config(None, TINY_OVERRIDES + RL + [
+        "rl.rollout.engine=hf", "rl.algorithm.adv_estimator=online_dpo", "rl.actor.micro_batch_size=2",
+        "rl.actor.optim.grad_clip=100"])
+    batch, _ = a_batch(cfg, tiny_model_dir, tiny_data_dir)
+    batch.tensors["token_level_rewards"] = token_level_scores(batch.tensors["rewards"], batch.response_mask)
+    pairs, pair_metrics = preference_batch(batch, num_ranks=2)
+    pairs.meta["row"] = list(range(len(pairs)))
+    assert pair_metrics["dpo/num_pairs"] >= 6  # mini-batches of 4 pairs: a full one and a partial one
+    one = dpo_update(cfg, str(tiny_model_dir), pairs, 1)
+    two = dpo_update(cfg, str(tiny_model_dir), pairs, 2, ref_logprobs=one["ref_logprobs"])
+    for key in ("actor/loss", "actor/dpo_loss", "dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins",
+                "dpo/rewards/accuracies", "dpo/logps/chosen", "dpo/logps/rejected"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=2e-6), key
+    assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=REORDER_RTOL)
+    assert one["metrics"]["actor/grad_norm"] > 1e-3
+    assert len(one["grads"]) == len(two["grads"]) == 2  # one optimizer step per mini-batch
+    for step, (grads_two, grads_one) in enumerate(zip(two["grads"], one["grads"])):
+        assert_close_reordered(grads_two, grads_one, f"dpo step {step}")
 
 
 # ---- 2. GRPO on two workers learns --------------------------------------------------------------------

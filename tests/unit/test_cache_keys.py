@@ -70,3 +70,12 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
 def test_hub_ids_and_artifact_refs_are_taken_as_they_are():
     assert stages.content_digest("Qwen/Qwen2.5-0.5B-Instruct") is None
     assert stages._input_identity("model/sft@0123456789abcdef") == "model/sft@0123456789abcdef"
+
+
+def test_the_math_scorer_is_part_of_the_rl_and_eval_keys(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    verl = keys(load_config(None, [f"model.path={model}"]), str(model))
+    math_verify = keys(load_config(None, [f"model.path={model}", "rl.reward.math_scorer=math_verify"]), str(model))
+    assert {k for k in verl if verl[k] != math_verify[k]} == {"rl", "eval"}

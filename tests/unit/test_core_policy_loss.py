@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.core import LOSS_AGG_MODES, POLICY_LOSSES, loss_denominators
-from stages.core import cov_losses, policy_loss
+from stages.core import LOSS_AGG_MODES, POLICY_LOSSES, cov_losses, loss_denominators, policy_loss
 
 F64 = torch.float64
 ATOL = 1e-9

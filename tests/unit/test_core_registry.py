@@ -46,7 +46,7 @@ def test_unknown_key_lists_valid_keys():
             ADV_ESTIMATORS,
             {
                 "gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "opo", "gpg",
-                "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "online_dpo",
             },
         ),
         (POLICY_LOSSES, {"vanilla", "gspo", "gpg", "cispo", "clip_cov", "kl_cov"}),

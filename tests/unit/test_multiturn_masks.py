@@ -222,7 +222,7 @@ def test_estimators_ignore_everything_under_the_holes(name):
 
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.keys())
 def test_estimators_equal_compacted(name):
-    """All ten estimators: a multi-turn row gives, on its valid tokens, what the row without its tool spans
+    """All eleven estimators: a multi-turn row gives, on its valid tokens, what the row without its tool spans
     gives (module docstring: the scans step valid token to valid token, the rest reduces over valid tokens)."""
     holed = _random_multiturn(1)
     mask = holed.response_mask

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
-import os
 import time
 from pathlib import Path
 
@@ -102,6 +101,39 @@ def test_unknown_data_source_is_an_error_not_a_crash(default_pool, caplog):
     assert result.errors[0].startswith("error: ValueError: no reward function for data_source 'nobody/knows'")
     assert result.metrics["reward/errors"] == 1.0
     assert "'nobody/knows'" in caplog.text and "#### 1" in caplog.text  # data_source and the solution snippet
+
+
+# --------------------------------------------------------------------------------------------------
+# the MATH datasets' scorer (rl.reward.math_scorer) reaches the workers; math_dapo's dict
+
+
+MATH_REQUESTS = [
+    RewardRequest("lighteval/MATH", "so \\boxed{\\frac{2}{4}}", "\\frac{1}{2}", None),  # verl 0, math-verify 1
+    RewardRequest("HuggingFaceH4/MATH-500", "\\boxed{\\frac12}", "\\frac{1}{2}", None),  # both 1
+    RewardRequest("math", "Answer: 1,000", "1000", None),  # math_dapo under both: +1, acc 1
+    RewardRequest("aime2024", "Answer: 7", "8", None),  # math_dapo under both: -1, acc 0
+]
+
+
+def test_default_pool_scores_math_as_verl(default_pool):
+    result = default_pool.score(MATH_REQUESTS)
+    assert result.scores == [0.0, 1.0, 1.0, -1.0]
+    assert result.errors == [None] * 4
+    assert list(result.components) == ["acc"]  # math_dapo's bool acc; its string pred is left out
+    assert math.isnan(result.components["acc"][0]) and result.components["acc"][2:] == [1.0, 0.0]
+    assert result.metrics["reward/acc/mean"] == pytest.approx(0.5)  # (1 + 0) / 2 math_dapo samples
+
+
+def test_math_verify_option_reaches_the_workers():
+    with RewardPool(RewardConfig(num_workers=1, timeout_s=5.0, math_scorer="math_verify")) as pool:
+        assert pool.score(MATH_REQUESTS).scores == [1.0, 1.0, 1.0, -1.0]
+
+
+def test_math_scorer_with_a_custom_reward_is_warned_about(tmp_path, caplog):
+    cfg = RewardConfig(custom_path=_write(tmp_path, WITH_COMPONENTS), num_workers=1, math_scorer="math_verify")
+    with caplog.at_level(logging.WARNING, logger="stages.rewards.pool"), RewardPool(cfg):
+        pass
+    assert "rl.reward.math_scorer=math_verify does not apply" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,14 +1,24 @@
-"""Rule-based rewards on hand examples: gsm8k strict/flexible, arithmetic, math-verify, dispatch, custom."""
+"""Rule-based rewards on hand examples: gsm8k strict/flexible, arithmetic, MATH (verl's math_reward), math_dapo,
+math-verify, dispatch by data_source as in verl (and rl.reward.math_scorer), custom."""
 
 from __future__ import annotations
 
+import pydantic
 import pytest
 
-from stages.rewards import SCORERS, default_compute_score, register_scorer
-from stages.rewards import arithmetic, gsm8k
-from stages.rewards import math as math_reward
+from infra.rl_config import RewardConfig
+from stages.rewards import (
+    MATH_SOURCES,
+    SCORERS,
+    arithmetic,
+    default_compute_score,
+    gsm8k,
+    math_dapo,
+    math_reward,
+    math_verify,
+    register_scorer,
+)
 from stages.rewards.custom import load_reward_fn
-
 
 # --------------------------------------------------------------------------------------------------
 # gsm8k
@@ -84,28 +94,127 @@ def test_arithmetic_work_must_follow_the_question():
 
 
 # --------------------------------------------------------------------------------------------------
-# math-verify
+# MATH, verl's math_reward (the last \boxed{}, MATH's string normalisation): 1 / 0
 
 
-def test_math_verify():
-    assert math_reward.compute_score("So the answer is $\\boxed{0.5}$.", "\\frac{1}{2}") == 1.0
-    assert math_reward.compute_score("The answer is 0.5", "\\frac{1}{2}") == 1.0
-    assert math_reward.compute_score("x = \\boxed{\\frac{1}{2}}", "\\boxed{0.5}") == 1.0  # already boxed
-    assert math_reward.compute_score("So the answer is $\\boxed{0.25}$.", "\\frac{1}{2}") == 0.0
-    assert math_reward.compute_score("I do not know", "\\frac{1}{2}") == 0.0
-    assert math_reward.compute_score("\\boxed{\\frac{1}{2", "\\frac{1}{2}") == 0.0  # unparseable
+@pytest.mark.parametrize(
+    "solution, truth, expected",
+    [
+        ("so $\\boxed{\\frac12}$.", "\\frac{1}{2}", 1.0),  # \frac12 -> \frac{1}{2}
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),  # dfrac -> frac
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # "0.5" alone -> \frac{1}{2}
+        ("\\boxed{.5}", "\\frac{1}{2}", 1.0),  # ".5" -> "0.5" -> \frac{1}{2}
+        ("\\boxed{3/4}", "\\frac{3}{4}", 1.0),  # two plain integers a/b -> \frac{a}{b}
+        ("\\boxed{x = 5}", "5", 1.0),  # left side of at most 2 characters dropped
+        ("\\boxed{10 \\text{ cm}}", "10", 1.0),  # units: everything from "\text{ " on
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),  # \left, \right and spaces dropped
+        ("so \\boxed 5$.", "5", 1.0),  # "\boxed " form: up to the next $
+        ("\\boxed{4}, no: \\boxed{5}", "5", 1.0),  # the last box counts
+        ("\\boxed{1,000}", "1000", 0.0),  # MATH's normalisation keeps commas
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 0.0),  # strings, not values
+        ("\\boxed{6}", "5", 0.0),  # wrong
+        ("The answer is 5", "5", 0.0),  # no box
+        ("\\boxed{5", "5", 0.0),  # never closed
+        ("\\fbox{5}", "5", 0.0),  # verl finds \fbox but cannot unwrap it
+        ("\\boxed{\\sqrt}", "\\sqrt", 1.0),  # normalisation fails on a trailing \sqrt: compared verbatim
+    ],
+)
+def test_math_reward_hand_examples(solution, truth, expected):
+    assert math_reward.compute_score(solution, truth) == expected
+
+
+def test_math_reward_normalize():
+    assert math_reward.normalize("\\frac1{72}") == "\\frac{1}{72}"
+    assert math_reward.normalize("\\sqrt3") == "\\sqrt{3}"
+    assert math_reward.normalize("k = 7") == "7" and math_reward.normalize("abc = 7") == "abc=7"  # lhs > 2 chars
+    assert math_reward.normalize("07/2") == "07/2"  # not a plain integer: no \frac
+    assert math_reward.normalize("1 \\text{ m} and 2 \\text{ m}") is None  # two unit cuts: compared verbatim
 
 
 # --------------------------------------------------------------------------------------------------
-# dispatch
+# math_dapo (the last "Answer:" line, Minerva normalisation): verl's dict, +1 / -1
+
+
+@pytest.mark.parametrize(
+    "solution, truth, pred, acc",
+    [
+        ("3 + 2 = 5\nAnswer: 5", "5", "5", True),
+        ("Answer: 6", "5", "6", False),  # wrong
+        ("The answer is 5", "5", "[INVALID]", False),  # no "Answer:" line: -1, as a wrong answer
+        ("\\boxed{5}", "5", "[INVALID]", False),  # a box alone is not read
+        ("answer :\n7", "7", "7", True),  # case, spaces and a line break around the colon
+        ("Answer: 3\nwait\nAnswer: 4", "4", "4", True),  # the last one counts
+        ("Answer: 1,000", "1000", "1000", True),  # digits and commas -> digits
+        ("Answer: \\frac12", "\\frac{1}{2}", "\\frac{1}{2}", True),  # \frac12 -> \frac{1}{2}
+        ("Answer: x = 5", "5", "5", True),  # what follows the last "="
+        ("Answer: 5 cm", "5", "5", True),  # unit words dropped
+        ("Answer: 10 dollars", "\\$10", "10", True),  # both sides normalised
+        ("Answer: 90^\\circ", "90", "90", True),
+        ("Answer: $\\boxed{42}$", "42", "42", True),  # $...$ and \boxed{} unwrapped
+        ("Answer: 0.5", "\\frac{1}{2}", "0.5", False),  # no numeric equivalence
+        ("Answer: 5 ft", "5", "5ft", False),  # the paper drops "ft", verl does not
+        ("Answer: 5\n" + "x" * 300, "5", "[INVALID]", False),  # only the last 300 characters are read
+    ],
+)
+def test_math_dapo_hand_examples(solution, truth, pred, acc):
+    assert math_dapo.compute_score(solution, truth) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+def test_math_dapo_strict_box():
+    assert math_dapo.compute_score("so \\boxed{5}", "5", strict_box=True) == {"score": 1.0, "acc": True, "pred": "5"}
+    assert math_dapo.compute_score("\\boxed{ 5}", "5", strict_box=True)["score"] == -1.0  # no normalisation
+    assert math_dapo.compute_score("Answer: 5", "5", strict_box=True) == {"score": -1.0, "acc": False, "pred": None}
+    # the box must lie in the last 100 characters: 9 + 91 = 100 characters in, 9 + 95 = 104 out
+    assert math_dapo.compute_score("\\boxed{5}" + "x" * 91, "5", strict_box=True)["score"] == 1.0
+    assert math_dapo.compute_score("\\boxed{5}" + "x" * 95, "5", strict_box=True)["score"] == -1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# math-verify (rl.reward.math_scorer=math_verify)
+
+
+def test_math_verify():
+    assert math_verify.compute_score("So the answer is $\\boxed{0.5}$.", "\\frac{1}{2}") == 1.0
+    assert math_verify.compute_score("The answer is 0.5", "\\frac{1}{2}") == 1.0
+    assert math_verify.compute_score("x = \\boxed{\\frac{1}{2}}", "\\boxed{0.5}") == 1.0  # already boxed
+    assert math_verify.compute_score("So the answer is $\\boxed{0.25}$.", "\\frac{1}{2}") == 0.0
+    assert math_verify.compute_score("I do not know", "\\frac{1}{2}") == 0.0
+    assert math_verify.compute_score("\\boxed{\\frac{1}{2", "\\frac{1}{2}") == 0.0  # unparseable
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch: each data_source as in verl's default_compute_score
 
 
 def test_dispatch():
     assert default_compute_score("openai/gsm8k", "#### 7", "7") == 1.0
     assert default_compute_score("openai/gsm8k", "The answer is 7", "7") == 0.0  # strict by default
+    assert default_compute_score("openai/gsm8k", "#### 1000", "1,000") == 0.0  # the ground truth is not normalised
     assert default_compute_score("synthetic/arithmetic", "3 + 4 = 7\n#### 007", "7") == 1.0
-    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math"):
+    assert default_compute_score("synthetic/calculator", "#### 7", "7") == 1.0
+    for source in MATH_SOURCES:
         assert default_compute_score(source, "\\boxed{0.5}", "\\frac{1}{2}", {"index": 0}) == 1.0
+        assert default_compute_score(source, "\\boxed{0.25}", "\\frac{1}{2}") == 0.0  # 0, not -1
+    for source in ("math", "math_dapo", "math_dapo_reasoning", "aime2024", "aime_2025"):
+        assert default_compute_score(source, "Answer: 12", "12") == {"score": 1.0, "acc": True, "pred": "12"}
+        assert default_compute_score(source, "\\boxed{12}", "12")["score"] == -1.0
+
+
+def test_math_scorer_switches_only_the_math_datasets():
+    # 2/4 and a bare 0.5 equal 1/2 in value (math-verify) but not as MATH-normalised strings (verl)
+    for solution in ("\\boxed{\\frac{2}{4}}", "The answer is 0.5"):
+        assert default_compute_score("lighteval/MATH", solution, "\\frac{1}{2}") == 0.0
+        assert default_compute_score("lighteval/MATH", solution, "\\frac{1}{2}", math_scorer="verl") == 0.0
+        assert default_compute_score("lighteval/MATH", solution, "\\frac{1}{2}", math_scorer="math_verify") == 1.0
+    # `math` stays verl's math_dapo
+    assert default_compute_score("math", "Answer: 2/4", "\\frac{1}{2}", math_scorer="math_verify")["score"] == -1.0
+    with pytest.raises(ValueError, match=r"math_scorer='sympy': use one of \['math_verify', 'verl'\]"):
+        default_compute_score("lighteval/MATH", "\\boxed{1}", "1", math_scorer="sympy")
+    assert RewardConfig().math_scorer == "verl"
+    with pytest.raises(pydantic.ValidationError):
+        RewardConfig(math_scorer="sympy")
 
 
 def test_unknown_data_source():
@@ -113,7 +222,19 @@ def test_unknown_data_source():
         default_compute_score("my/task", "#### 1", "1")
     message = str(info.value)
     assert "'my/task'" in message and "'openai/gsm8k'" in message and "'synthetic/arithmetic'" in message
-    assert "file path" in message and "custom" in message
+    assert "starting with 'aime'" in message
+    assert "rl.reward.custom_path=" in message and "rl.reward.custom_function=" in message
+
+
+@pytest.mark.parametrize("source, verl_scorer", [("hiyouga/geometry3k", "geo3k"), ("numina_olympiads", "prime_math"),
+                                                 ("codeforces", "sandbox_fusion"),
+                                                 ("searchR1_nq", "search_r1_like_qa_em")])
+def test_verl_sources_we_do_not_score(source, verl_scorer):
+    with pytest.raises(ValueError) as info:
+        default_compute_score(source, "#### 1", "1")
+    message = str(info.value)
+    assert f"data_source {source!r}: verl scores it with its {verl_scorer}" in message
+    assert "rl.reward.custom_path=" in message and "rl.reward.custom_function=" in message
 
 
 def test_register_duplicate():

@@ -40,7 +40,8 @@ def test_reads_work_views_aggregates_joins(local):
     assert last == [{"run_id": "run-a", "last": 3}, {"run_id": "run-b", "last": 3}]
     assert sql.query(local, "FROM metrics SELECT count(*) AS n;") == [{"n": 3}]
     assert {"run_id", "step", "score"} <= {r["column_name"] for r in sql.query(local, "DESCRIBE rollouts")}
-    assert {r["name"] for r in sql.query(local, "SHOW TABLES")} == {"rollouts", "metrics", "validation", "turns", "evals"}
+    tables = {r["name"] for r in sql.query(local, "SHOW TABLES")}
+    assert tables == {"rollouts", "metrics", "validation", "turns", "evals"}
     assert sql.query(local, "-- the plan\nEXPLAIN ANALYZE SELECT count(*) FROM rollouts")[0]["explain_key"] == \
         "analyzed_plan"
     own_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")  # a table file: the store's own

@@ -63,7 +63,16 @@ SAME = {
     "ray_kwargs.ray_init.num_cpus": "8", "trainer.val_before_train": "False", "trainer.max_actor_ckpt_to_keep": "5",
 }
 
-CONTEXT = {R + "tensor_model_parallel_size": ["trainer.n_gpus_per_node=2"]}  # what a sample needs to validate
+RC = "algorithm.rollout_correction."
+SAME |= {RC + "rollout_is": "token", RC + "rollout_is_threshold": "5.0", RC + "rollout_is_batch_normalize": "True",
+         RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": "0.5_2.0", RC + "bypass_mode": "True",
+         RC + "loss_type": "reinforce"}
+
+CONTEXT = {R + "tensor_model_parallel_size": ["trainer.n_gpus_per_node=2"],  # what a sample needs to validate
+           RC + "rollout_is_batch_normalize": [RC + "rollout_is=token"],
+           RC + "rollout_rs": [RC + "rollout_rs_threshold=2.0"],
+           RC + "rollout_rs_threshold": [RC + "rollout_rs=token_k1"],
+           RC + "loss_type": [RC + "bypass_mode=True", A + "policy_loss.loss_mode=gpg"]}
 
 # Rows that convert: key -> (the verl overrides, what they must set). Hand-worked values in the comments.
 VIA = {
@@ -366,3 +375,8 @@ def test_the_readme_table_is_the_table():
     readme = (PROJECT / "README.md").read_text()
     start, end = "<!-- verl-table: python -m infra.verl_overrides -->\n", "\n<!-- verl-table end -->"
     assert readme[readme.index(start) + len(start):readme.index(end)] == markdown_table()
+
+
+def test_our_own_estimators_are_not_verl_values():
+    with pytest.raises(VerlKeyError, match="rl.algorithm.adv_estimator=online_dpo before --verl"):
+        translate(None, [], ["algorithm.adv_estimator=online_dpo"])

@@ -1,4 +1,4 @@
-"""MATH-style scorer with math-verify, as verl's `utils/reward_score/math_verify.py`.
+"""MATH scorer with math-verify, as verl's `utils/reward_score/math_verify.py` (rl.reward.math_scorer=math_verify).
 
 The ground truth is wrapped in `\\boxed{}` unless it already has one and parsed as LaTeX; the solution is
 parsed as a plain expression or LaTeX (math-verify takes the last boxed/final answer); `verify` compares

@@ -1,0 +1,29 @@
+"""Validation metrics (stages/validation.py) on hand examples: a reward's own `acc` counts instead of its score."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stages.validation import group_metrics
+
+
+def _sample(prompt: int, source: str, score: float, response: str, acc: float | None = None) -> dict:
+    return {"prompt_index": prompt, "data_source": source, "score": score, "response": response, "acc": acc}
+
+
+def test_acc_replaces_a_plus_minus_one_score():
+    samples = [  # math_dapo: -1/+1 scores with acc 0/1; gsm8k: 1/0 scores, no acc (None or NaN)
+        _sample(0, "math", 1.0, "Answer: 5", acc=1.0), _sample(0, "math", -1.0, "Answer: 6", acc=0.0),
+        _sample(0, "math", -1.0, "Answer: 6", acc=0.0),
+        _sample(1, "openai/gsm8k", 1.0, "#### 7"), _sample(1, "openai/gsm8k", 0.0, "#### 8", acc=math.nan),
+        _sample(1, "openai/gsm8k", 0.0, "#### 8"),
+    ]  # fmt: skip
+    m = group_metrics(samples, 3)
+    assert m["val/math/acc/mean@3"] == pytest.approx(1 / 3)  # (1 + 0 + 0) / 3, not (1 - 1 - 1) / 3
+    assert m["val/math/acc/best@3"] == 1.0
+    assert m["val/math/acc/maj@3"] == 0.0  # "6" twice: its acc 0, not its score -1
+    assert m["val/openai/gsm8k/acc/mean@3"] == pytest.approx(1 / 3)  # scores (1 + 0 + 0) / 3
+    assert m["val/acc/mean@3"] == pytest.approx(1 / 3)  # over both prompts: (1/3 + 1/3) / 2
+    assert m["val/acc/maj@3"] == 0.0
