@@ -25,16 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from stages.model.optim import lr_multiplier
-from stages.rl_data import PromptSampler
 from tests.integration.test_multiturn_flow import TOOL_TASK
-from tests.integration.test_resume import env
+from tests.integration.test_resume import check_resumed_run, env
 
 pytestmark = pytest.mark.slow
 PROJECT = Path(__file__).resolve().parents[2]
@@ -181,22 +178,8 @@ def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
     # As in the single-turn test: the learning rate of an uninterrupted run, each step's prompts, complete
     # artifacts, and the flow goes on from the final checkpoint.
     cfg = load_config(None, overrides(tmp_path))
-    optim = cfg.rl.actor.optim
-    for step in range(1, STEPS + 1):
-        lr = optim.lr * lr_multiplier(step - 1, optim, STEPS)
-        assert metrics[step, "actor/lr"] == pytest.approx(lr, rel=1e-9), step
+    check_resumed_run(root, cfg, {step: metrics[step, "actor/lr"] for step in range(1, STEPS + 1)}, STEPS, BATCH)
     store = ArtifactStore(root)
-    [dataset] = store.versions("dataset", "synthetic")
-    questions = [row[-1]["content"] for row in pq.read_table(
-        store.get_dir(dataset.ref) / "train.parquet", columns=["prompt"]).column("prompt").to_pylist()]
-    sampler = PromptSampler(len(questions), BATCH, cfg.run.seed)
-    for step in range(1, STEPS + 1):
-        seen = {r["prompt"] for r in query(root, f"SELECT DISTINCT prompt FROM rollouts WHERE step = {step}")}
-        assert seen == {questions[i] for i in sampler.indices(step)}, step
-    for kind, name in store.artifacts():
-        for manifest in store.versions(kind, name):
-            folder = store.get_dir(manifest.ref)
-            assert all((folder / f).stat().st_size == meta["size"] for f, meta in manifest.files.items())
     [merged] = store.versions("model", "rl")
     assert merged.metadata["checkpoint_step"] == STEPS
     evals = query(root, "SELECT label FROM evals WHERE data_source = 'all' AND metric = 'acc' ORDER BY label")

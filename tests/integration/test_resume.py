@@ -102,29 +102,35 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     cfg = load_config(None, overrides(tmp_path))
     lrs = query(root, "SELECT step, value FROM metrics WHERE name = 'actor/lr' ORDER BY step")
     assert [r["step"] for r in lrs] == list(range(1, STEPS + 1))
-    optim = cfg.rl.actor.optim
-    for r in lrs:
-        assert r["value"] == pytest.approx(optim.lr * lr_multiplier(r["step"] - 1, optim, STEPS), rel=1e-9)
-    # same data: each step's prompts are the ones the sampler assigns to that step
-    from stages.rl_data import PromptSampler
-
+    check_resumed_run(root, cfg, {r["step"]: r["value"] for r in lrs}, STEPS, BATCH)
     store = ArtifactStore(root)
-    [dataset] = store.versions("dataset", "synthetic")
-    import pyarrow.parquet as pq
-
-    questions = [row[-1]["content"] for row in pq.read_table(
-        store.get_dir(dataset.ref) / "train.parquet", columns=["prompt"]).column("prompt").to_pylist()]
-    sampler = PromptSampler(len(questions), BATCH, cfg.run.seed)
-    for step in range(1, STEPS + 1):
-        seen = {r["prompt"] for r in query(root, f"SELECT DISTINCT prompt FROM rollouts WHERE step = {step}")}
-        assert seen == {questions[i] for i in sampler.indices(step)}, step
-    for kind, name in store.artifacts():  # every visible version is complete (the kill left none half-made)
-        for manifest in store.versions(kind, name):
-            folder = store.get_dir(manifest.ref)
-            assert all((folder / f).stat().st_size == meta["size"] for f, meta in manifest.files.items())
     [merged] = store.versions("model", "rl")  # made by merge from the final checkpoint
     assert merged.inputs["checkpoint"].startswith("checkpoint/rl-") and merged.metadata["checkpoint_step"] == STEPS
     evals = query(root, "SELECT label, engine, value FROM evals WHERE data_source = 'all' AND metric = 'acc' "
                         "ORDER BY label")
     assert [(r["label"], r["engine"]) for r in evals] == [("base", "vllm"), ("rl", "vllm"), ("sft", "vllm")]
     assert all(0.0 <= r["value"] <= 1.0 for r in evals)
+
+
+def check_resumed_run(root: str, cfg, lrs: dict[int, float], steps: int, batch: int) -> None:
+    """What a resumed run shares with an uninterrupted one: each step's lr from the schedule, each step's prompts
+    the sampler's, and every visible artifact version complete (the kill left none half-made)."""
+    import pyarrow.parquet as pq
+
+    from stages.rl_data import PromptSampler
+
+    optim = cfg.rl.actor.optim
+    for step in range(1, steps + 1):
+        assert lrs[step] == pytest.approx(optim.lr * lr_multiplier(step - 1, optim, steps), rel=1e-9), step
+    store = ArtifactStore(root)
+    [dataset] = store.versions("dataset", "synthetic")
+    questions = [row[-1]["content"] for row in pq.read_table(
+        store.get_dir(dataset.ref) / "train.parquet", columns=["prompt"]).column("prompt").to_pylist()]
+    sampler = PromptSampler(len(questions), batch, cfg.run.seed)
+    for step in range(1, steps + 1):
+        seen = {r["prompt"] for r in query(root, f"SELECT DISTINCT prompt FROM rollouts WHERE step = {step}")}
+        assert seen == {questions[i] for i in sampler.indices(step)}, step
+    for kind, name in store.artifacts():
+        for manifest in store.versions(kind, name):
+            folder = store.get_dir(manifest.ref)
+            assert all((folder / f).stat().st_size == meta["size"] for f, meta in manifest.files.items())
