@@ -242,6 +242,17 @@ class RayConfig(Section):
         1, gt=0, description="Workers per node: GPUs, or CPU slots on CPU machines (each takes 1 Ray CPU)."
     )
     num_nodes: int = Field(1, gt=0, description="Nodes the workers span (PACK placement; 1: STRICT_PACK).")
+    rollout_devices_per_node: int = Field(
+        0, ge=0, description="Devices per node that only generate (rollout workers, beside the "
+        "num_devices_per_node trainer devices); 0: colocated, the trainer's workers generate.")
+
+    @property
+    def num_trainers(self) -> int:
+        return self.num_devices_per_node * self.num_nodes
+
+    @property
+    def num_rollout_workers(self) -> int:
+        return self.rollout_devices_per_node * self.num_nodes
 
 
 class Config(Section):
@@ -295,9 +306,18 @@ class Config(Section):
         if self.rl.enabled and tp > 1 and engine != "vllm":
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "
                              "engine runs on one device); set it to 1")
-        if self.rl.enabled and workers % tp:
-            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} must divide the number of workers, "
-                             f"ray.num_devices_per_node * ray.num_nodes = {workers}")
+        engines = ray.num_rollout_workers or workers
+        if self.rl.enabled and engines % tp:
+            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} must divide the number of generating "
+                             f"workers, {engines} (ray.rollout_devices_per_node * ray.num_nodes, or the trainers')")
+        return self
+
+    @model_validator(mode="after")
+    def _async_has_rollout_devices(self) -> Config:
+        mode = self.rl.async_training.mode
+        if self.rl.enabled and mode != "sync" and not self.ray.rollout_devices_per_node:
+            raise ValueError(f"rl.async_training.mode={mode} generates on devices of its own while the trainer "
+                             "trains: set ray.rollout_devices_per_node (e.g. 1), or use mode=sync")
         return self
 
 

@@ -221,6 +221,51 @@ class MultiTurnConfig(_Section):
         "(finish_reason interaction_error).")
 
 
+class AsyncTrainingConfig(_Section):
+    """How generation and training overlap (verl's one_step_off_policy and fully_async_policy recipes).
+
+    sync: generate, then train on it (staleness 0); colocated by default, or on separate rollout devices.
+    one_step_off: separate rollout workers generate step k+1's batch while the trainer trains on step k
+      (staleness exactly one policy version); weights are pushed after every update.
+    fully_async: rollout workers stream scored groups into a bounded queue; the trainer takes
+      train_batch_size groups per step; at most `max_staleness` versions between a sample's oldest token and the
+      policy it trains; weights pushed every `trigger_parameter_sync_step` steps, interrupting generation in
+      flight when `partial_rollout` is on. Modes other than sync need ray.rollout_devices_per_node > 0.
+    """
+
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field("sync", description="Schedule of generation.")
+    max_staleness: int = Field(1, ge=0, description="fully_async: policy versions a sample may lag behind the "
+                               "policy it trains (0: the synchronous schedule on separate devices).")
+    staleness_policy: Literal["wait", "drop"] = Field(
+        "wait", description="fully_async: wait (generate no group that would be too stale) or drop (generate "
+        "freely, drop groups over max_staleness when the trainer takes them).")
+    trigger_parameter_sync_step: int = Field(1, gt=0, description="fully_async: push weights every N steps.")
+    partial_rollout: bool = Field(True, description="fully_async: a weight push interrupts generation in flight, "
+                                  "which continues with the new weights (every token records its policy version).")
+    partial_rollout_tokens: int = Field(32, gt=0, description="fully_async with partial_rollout: tokens generated "
+                                        "per engine call; a push waits at most one such call.")
+    generation_groups: int | None = Field(None, gt=0, description="fully_async: prompts (groups) per engine call "
+                                          "(None: rl.train_batch_size).")
+    queue_groups: int | None = Field(None, gt=0, description="fully_async: scored groups waiting at most (None: "
+                                     "twice rl.train_batch_size).")
+    rollout_timeout_s: float = Field(600.0, gt=0, description="Longest the trainer waits for the next group "
+                                     "before failing (a stalled rollout worker).")
+
+    @model_validator(mode="after")
+    def _pushes_keep_up(self) -> AsyncTrainingConfig:
+        if self.mode == "fully_async" and self.trigger_parameter_sync_step - 1 > self.max_staleness:
+            raise ValueError(f"rl.async_training.trigger_parameter_sync_step={self.trigger_parameter_sync_step} pushes "
+                             f"weights every {self.trigger_parameter_sync_step} steps, so samples lag up to "
+                             f"{self.trigger_parameter_sync_step - 1} versions: raise max_staleness "
+                             f"(={self.max_staleness}) to at least that, or push more often")
+        return self
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions a sample may lag behind the policy it trains in this mode."""
+        return {"sync": 0, "one_step_off": 1, "fully_async": self.max_staleness}[self.mode]
+
+
 class RLConfig(_Section):
     enabled: bool = Field(False, description="Run the RL stage after SFT.")
     total_steps: int = Field(20, gt=0, description="Training steps (one batch of prompts each).")
@@ -244,6 +289,7 @@ class RLConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    async_training: AsyncTrainingConfig = Field(default_factory=AsyncTrainingConfig)
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> RLConfig:

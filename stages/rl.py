@@ -28,7 +28,7 @@ import math
 import random
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -49,9 +49,11 @@ from stages.model.loading import load_tokenizer
 from stages.model.safe_load import load_state
 from stages.rewards.overlong import overlong_penalty
 from stages.rewards.pool import RewardPool
+from stages.rl_async import AsyncSchedule
 from stages.rl_correction import corrected_batch
 from stages.rl_data import (
     PromptSampler,
+    average_metrics,
     concat_batches,
     data_metrics,
     preference_batch,
@@ -66,12 +68,11 @@ from stages.sft import Checkpoints
 from stages.validation import group_metrics
 from stages.workers.actor_rollout import ActorRolloutWorker, prefix_router
 from stages.workers.critic import CriticWorker
-from stages.workers.group import Placement, WorkerGroup, init_ray
+from stages.workers.group import Placement, WorkerGroup, free_port_on, init_ray
 from stages.workers.reward_model import RewardModelWorker
+from stages.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
-
-COUNTS = ("/errors", "/timeouts", "/nan")  # reward metrics that add up over generation batches (others: means)
 
 
 class RLCheckpoints(Checkpoints, Protocol):
@@ -134,11 +135,12 @@ class RLTrainer:
         self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
         multi_turn = self.rl.multi_turn  # a bad tools or interactions file fails here, before workers start
         tools, interactions = load_rollout_tools(multi_turn), load_rollout_interactions(multi_turn)
-        self.placement, self.actor, self.critic, self.reward_model = None, None, None, None
+        self.placement, self.actor, self.critic, self.reward_model, self.engines = None, None, None, None, None
         use_rm = self.rl.reward.reward_model_path is not None
         try:
             self.placement = Placement(cfg.ray, num_roles=1 + self.rl.uses_critic + use_rm)
             self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir, self.placement)
+            self.engines = self._start_rollout_workers(model_dir) if cfg.ray.num_rollout_workers else self.actor
             self.critic = WorkerGroup(CriticWorker, cfg, model_dir, self.placement) if self.rl.uses_critic else None
             self.reward_model = self._start_reward_model() if use_rm else None
         except BaseException:
@@ -146,14 +148,14 @@ class RLTrainer:
             raise
         self.automatic = self._automatic_settings()
         self.rewards = RewardPool(self.rl.reward)
-        self.prefix_router = prefix_router(cfg, self.world_size // self.rl.rollout.tensor_model_parallel_size)
-        self.rollout = Rollout(self.engine_generate, self.tokenizer, self.rewards, tools, multi_turn, interactions)
+        self.prefix_router = prefix_router(cfg, self.engines.world_size // self.rl.rollout.tensor_model_parallel_size)
+        self.schedule: AsyncSchedule | None = None  # rollout workers of their own: the asynchronous modes
+        self.rollout = Rollout(self._rollout_generate, self.tokenizer, self.rewards, tools, multi_turn, interactions)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
-        self.reward_metrics: dict[str, float] = {}
         self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
         self.warned_dropped_pairs = False
-        self.step = 0
+        self.step = self.next_group = 0  # next_group: asynchronous modes, the first group no step has taken
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -163,6 +165,8 @@ class RLTrainer:
         if self.step == 0 and self.rl.val_before_train:
             metrics = self.validate(0)
             self.log(metrics, 0)
+        if self.engines is not self.actor:
+            self.schedule = AsyncSchedule(self, self.next_group, self.step)
         bar = progress_bar(self.rl.total_steps, self.step, "rl")
         while self.step < self.rl.total_steps:
             self.step += 1
@@ -191,8 +195,9 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         timer = StepTimer()
         with timer("step"):
-            with timer("gen"):
-                batch, metrics = self.generate_and_score(step, timer)
+            with timer("gen"):  # the asynchronous modes: waiting for the producer's groups
+                batch, metrics = (self.schedule.next_batch(step) if self.schedule else
+                                  self.generate_and_score(step, timer))
             batch, seqlen_metrics = balance_batch(batch, self.world_size, self.mini_rows)
             metrics.update(seqlen_metrics)
             if self.rl.algorithm.rollout_correction.bypass_mode:  # verl's bypass: pi_old is the engine's policy
@@ -219,7 +224,8 @@ class RLTrainer:
                 with timer("update_actor"):
                     metrics.update(self.update_actor(train))
             with timer("sync"):
-                metrics.update(self.actor.call_one("sync_weights", self._check_prompts()))
+                metrics.update(self.schedule.after_update(step) if self.schedule else
+                               self.actor.call_one("sync_weights", self.check_prompts()))
         metrics.update(self.step_metrics(batch, timer))
         self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
         self.tables.write_turns(step, turn_rows(batch))
@@ -230,28 +236,29 @@ class RLTrainer:
     def generate_and_score(self, step: int, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
         """A scored batch of train_batch_size groups (more generations when filtering groups)."""
         alg = self.rl.algorithm
-        kept, num_groups, gen, generated = [], 0, 0, []
-        self.reward_metrics = {}  # summed over this step's generation batches
+        kept, num_groups, gen, generated, reward_metrics = [], 0, 0, [], []
         while num_groups < self.rl.train_batch_size:
             if alg.filter_groups and alg.max_num_gen_batches and gen >= alg.max_num_gen_batches:
                 raise RuntimeError(
                     f"dynamic sampling found {num_groups}/{self.rl.train_batch_size} groups with varied rewards "
                     f"after {gen} generation batches; raise rl.algorithm.max_num_gen_batches or check the reward")
-            batch = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen, timer)
+            batch, metrics = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen,
+                                           timer)
             gen += 1
             generated.append(batch)
+            reward_metrics.append(metrics)
             if alg.filter_groups:
-                batch = self._varied_groups(batch)
+                batch = self.varied_groups(batch)
             kept.append(batch)
             num_groups += len(set(batch.meta["group_id"]))
         batch = kept[0] if len(kept) == 1 else concat_batches(kept, self.tokenizer.pad_token_id)
         groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
         batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
-        means = {k: v / gen for k, v in self.reward_metrics.items() if not k.endswith(COUNTS)}
-        return batch, {"train/num_gen_batches": gen, **self.reward_metrics, **means, **signal_metrics(generated),
+        return batch, {"train/num_gen_batches": gen, **average_metrics(reward_metrics), **signal_metrics(generated),
                        **rollout_metrics(generated)}
 
-    def generate(self, indices: list[int], group_prefix: str, seed: int, timer: StepTimer) -> Batch:
+    def generate(self, indices: list[int], group_prefix: str, seed: int, timer) -> tuple[Batch, dict[str, float]]:
+        """The scored samples of prompt rows `indices` (n each), and the reward metrics."""
         ro = self.rl.rollout
         params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                 max_tokens=self.cfg.data.max_response_length,
@@ -260,10 +267,23 @@ class RLTrainer:
             trajectories = self.rollout.run(self.train, indices, params)
         batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
         with timer("reward"):
-            self.score(batch, self.rollout.score(self.train, indices, trajectories))
+            metrics = self.score(batch, self.rollout.score(self.train, indices, trajectories))
             if self.rl.algorithm.adv_estimator.needs_greedy_baseline:
                 batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
-        return batch
+        return batch, metrics
+
+    def _rollout_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        """What the rollout calls: the engines, or (asynchronous modes) the producer's versioned generate."""
+        generate = self.schedule.rollout.generate if self.schedule else self.engine_generate
+        return generate(prompt_ids, params)
+
+    def _start_rollout_workers(self, model_dir: str) -> WorkerGroup:
+        """Rollout workers on devices of their own, and the broadcast group from the trainer's rank 0 to them."""
+        engines = WorkerGroup(RolloutWorker, self.cfg, model_dir, self.placement, rollout=True)
+        addr, port = free_port_on(self.placement, 0)
+        size = 1 + engines.world_size
+        engines.get_all([h.open_weight_group.remote(addr, port, size) for h in self.actor.handles + engines.handles])
+        return engines
 
     def _automatic_settings(self) -> dict[str, object]:
         """The settings left to the workers (None in the config), as rank 0 of each role decided them; logged."""
@@ -277,33 +297,33 @@ class RLTrainer:
     @contextmanager
     def engines_awake(self):
         """One engine wake for every generate call of a rollout (multi-turn loops call once per turn)."""
-        self.actor.call("hold_engine_awake", True)
+        self.engines.call("hold_engine_awake", True)
         try:
             yield
         finally:
-            self.actor.call("hold_engine_awake", False)
+            self.engines.call("hold_engine_awake", False)
 
     def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
         rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
         outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`. With prefix
         reuse on several cuda engines, a prompt that continues a sequence an engine parked goes to that engine."""
-        tp = self.rl.rollout.tensor_model_parallel_size
-        engines = self.world_size // tp
+        tp, ranks = self.rl.rollout.tensor_model_parallel_size, self.engines.world_size
+        engines = ranks // tp
         router = self.prefix_router
         shards = router.shards(prompt_ids) if router else rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
         seeds = [None if params.seed is None else params.seed + 1_000_003 * g for g in range(engines)]
-        calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp]))
-                 for r in range(self.world_size)]
-        results = self.actor.call_each("generate", calls)[::tp]
+        calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp])) for r in range(ranks)]
+        results = self.engines.call_each("generate", calls)[::tp]
         outputs = [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
         if router is None:
             return outputs
         router.record(shards, prompt_ids, results)
         return sorted(outputs, key=lambda o: o.prompt_index)  # stable: each prompt's n samples keep their order
 
-    def score(self, batch: Batch, scored: Scored) -> None:
-        """The batch's scores (reward function + tools, + the reward model) and rewards (+ overlong penalty)."""
+    def score(self, batch: Batch, scored: Scored) -> dict[str, float]:
+        """The batch's scores (reward function + tools, + the reward model) and rewards (+ overlong penalty);
+        -> the reward metrics."""
         reward, result = self.rl.reward, scored.result
         scores = torch.tensor(scored.scores, dtype=torch.float32)
         if self.reward_model:  # score = rule + weight * rm; the raw RM score is the component "rm"
@@ -317,8 +337,7 @@ class RLTrainer:
         batch.tensors["scores"], batch.tensors["rewards"] = scores, scores + penalty
         for name, values in result.components.items():
             batch.meta[f"reward_{name}"] = values
-        for key, value in {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}.items():
-            self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + value
+        return {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
 
     def _greedy_baselines(self, batch: Batch, indices: list[int]) -> torch.Tensor:
         """ReMax: each sample's baseline is the score of its prompt's greedy response."""
@@ -333,7 +352,7 @@ class RLTrainer:
         by_row = {indices[t.prompt_index]: s for t, s in zip(trajectories, greedy)}
         return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
 
-    def _varied_groups(self, batch: Batch) -> Batch:
+    def varied_groups(self, batch: Batch) -> Batch:
         """DAPO dynamic sampling: keep groups whose filter metric is not the same for every sample."""
         metric = self.rl.algorithm.filter_groups_metric
         values = {"score": batch.tensors["scores"].tolist(), "seq_reward": batch.tensors["rewards"].tolist()}.get(
@@ -416,6 +435,10 @@ class RLTrainer:
         """Validation samples (rollout.val_*) into the `validation` table and val/acc/* metrics. Before training
         (step 0) with val_n = 1, also rollout.n samples per prompt at the training temperature: mean@n and
         best@n (pass@n) say how often the starting model can earn a reward, i.e. how much RL can learn from."""
+        with self.schedule.current_policy(step) if self.schedule else nullcontext():
+            return self._validate(step)
+
+    def _validate(self, step: int) -> dict[str, float]:
         ro = self.rl.rollout
         start = time.perf_counter()
         samples = self._val_samples(SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p))
@@ -459,7 +482,7 @@ class RLTrainer:
         self.tables.write_metrics(step, metrics)
         self.tracker.log(metrics, step)
 
-    def _check_prompts(self) -> list[list[int]]:
+    def check_prompts(self) -> list[list[int]]:
         return self.val.prompt_ids[:2]
 
     def _prompt_texts(self, batch: Batch) -> list[str]:
@@ -473,7 +496,8 @@ class RLTrainer:
             if self.critic:
                 self.critic.call("save_checkpoint", tmp)
             state = {"step": step, "kl_ctrl": self.kl_ctrl.state_dict(), "python_rng": random.getstate(),
-                     "torch_rng": torch.get_rng_state(), "no_signal": self.no_signal.state_dict()}
+                     "torch_rng": torch.get_rng_state(), "no_signal": self.no_signal.state_dict(),
+                     **(self.schedule.state() if self.schedule else {})}
             torch.save(state, Path(tmp) / "trainer.pt")
             (Path(tmp) / "meta.json").write_text(json.dumps({"step": step}))
             self.checkpoints.save(step, Path(tmp))
@@ -493,17 +517,20 @@ class RLTrainer:
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
         removed = self.tables.truncate_after(self.step)
-        self.actor.call("sync_weights", self._check_prompts())
+        self.next_group = int(state.get("async_next_group", self.step * self.rl.train_batch_size))
+        if self.engines is self.actor:  # else AsyncSchedule pushes the weights to the rollout workers
+            self.actor.call("sync_weights", self.check_prompts())
         logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
     def close(self) -> None:
+        if self.schedule:
+            self.schedule.close()
         self.rewards.close()
         self._release_workers()
 
     def _release_workers(self) -> None:
-        for group in (self.actor, self.critic):
-            if group:
-                group.kill()
+        for group in {id(g): g for g in (self.actor, self.engines, self.critic) if g}.values():
+            group.kill()
         if self.reward_model:
             import ray
 

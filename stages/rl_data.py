@@ -19,6 +19,17 @@ from stages.batch import Batch, build_batch
 from stages.core import masked_mean, masked_sum, pair_order, preference_pairs
 from stages.data_prep import PromptSet
 
+COUNTS = ("/errors", "/timeouts", "/nan")  # reward metrics that add up over generation batches (others: means)
+
+
+def average_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Metrics of several generation batches as one: counts (COUNTS, async/*) summed, the others averaged."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return {k: v if k.endswith(COUNTS) or k.startswith("async/") else v / len(parts) for k, v in total.items()}
+
 
 class PromptSampler:
     def __init__(self, num_prompts: int, batch_size: int, seed: int):
@@ -58,9 +69,19 @@ def rollout_batch(prompts: PromptSet, indices: list[int], trajectories: list[Tra
         "turns": [t.turns for t in trajectories],
         "rollout_metrics": [t.metrics for t in trajectories],
     }
+    if any(t.versions is not None for t in trajectories):  # asynchronous modes: each token's policy version
+        meta.update(version_meta(trajectories))
     return build_batch([prompts.prompt_ids[r] for r in rows], [t.response_ids for t in trajectories],
                        [t.logprobs for t in trajectories], pad_token_id, meta,
                        [t.response_mask for t in trajectories])
+
+
+def version_meta(trajectories: list[Trajectory]) -> dict[str, list]:
+    """Per sample: its tokens' policy versions, and the oldest and newest of its model tokens' (None without any)."""
+    model = [[v for v, m in zip(t.versions or [], t.response_mask) if m and v >= 0] for t in trajectories]
+    return {"token_versions": [list(t.versions or []) for t in trajectories],
+            "policy_version": [min(v) if v else None for v in model],
+            "policy_version_max": [max(v) if v else None for v in model]}
 
 
 def _sample_indices(outputs: list[Trajectory]) -> list[int]:
@@ -94,7 +115,9 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
 
 
 def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) -> list[dict]:
-    """One row per sample for the `rollouts` table."""
+    """One row per sample for the `rollouts` table. `policy_version`: the version the step trains (its start).
+    A sample's `policy_version` is its oldest model token's (the trained one when the meta has none: synchronous),
+    `staleness` the versions between it and the trained one; asynchronous runs add `token_policy_versions`."""
     t, mask = batch.tensors, batch.response_mask
     now = time.time()
 
@@ -120,11 +143,20 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
             "num_turns": batch.meta["num_turns"][i],
             "num_tool_calls": int(batch.meta["rollout_metrics"][i].get("tool/calls", 0)),
             "num_tool_errors": int(batch.meta["rollout_metrics"][i].get("tool/errors", 0)),
-            "policy_version": policy_version, "time": now,
+            **_versions(batch.meta, i, policy_version), "time": now,
         }
         row.update({k: batch.meta[k][i] for k in batch.meta if k.startswith("reward_")})
         rows.append(row)
     return rows
+
+
+def _versions(meta: dict, i: int, trained: int) -> dict:
+    if "policy_version" not in meta:
+        return {"policy_version": trained, "policy_version_max": trained, "staleness": 0}
+    oldest = meta["policy_version"][i]
+    return {"policy_version": oldest, "policy_version_max": meta["policy_version_max"][i],
+            "staleness": None if oldest is None else trained - oldest,
+            "token_policy_versions": meta["token_versions"][i]}
 
 
 def turn_rows(batch: Batch) -> list[dict]:

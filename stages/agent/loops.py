@@ -70,7 +70,8 @@ class SingleTurnLoop(AgentLoop):
         outputs = ctx.generate([s.prompt_ids for s in samples], ctx.params)
         return [Trajectory(prompt_index=samples[o.prompt_index].prompt_index, response_ids=o.response_ids,
                            response_mask=[1] * len(o.response_ids), logprobs=o.logprobs,
-                           finish_reason=o.finish_reason, text=ctx.decode(o.response_ids), agent_name=self.name)
+                           finish_reason=o.finish_reason, text=ctx.decode(o.response_ids), agent_name=self.name,
+                           versions=o.extra.get("versions"))
                 for o in outputs]
 
 

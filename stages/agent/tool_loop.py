@@ -131,8 +131,9 @@ def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:
     """A sample generated with a larger budget than its own, cut to it: the same as stopping there."""
     if len(out.response_ids) <= max_tokens:
         return out
+    extra = {**out.extra, "versions": out.extra["versions"][:max_tokens]} if "versions" in out.extra else out.extra
     return replace(out, response_ids=out.response_ids[:max_tokens], logprobs=out.logprobs[:max_tokens],
-                   finish_reason="length")
+                   finish_reason="length", extra=extra)
 
 
 def truncate_text(text: str, limit: int, side: str) -> str:
@@ -162,11 +163,15 @@ class _State:
     finish_reason: str = "stop"
     tool_reward: float = 0.0
     interaction_reward: float = 0.0
+    versions: list[int] | None = None  # each token's policy version when the engine reports them
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> None:
         self.response_ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if versions is not None or self.versions is not None:
+            self.versions = (self.versions or [-1] * (len(self.response_ids) - len(ids))) + (
+                versions if versions is not None else [-1] * len(ids))
 
     def count(self, key: str, value: float = 1.0) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + value
@@ -232,7 +237,7 @@ class ToolAgentLoop(AgentLoop):
         return Trajectory(sample.prompt_index, state.response_ids, state.mask, state.logprobs, state.finish_reason,
                           "\n".join(state.texts), self.name, state.turns,
                           opts.tool_reward_weight * state.tool_reward, state.metrics,
-                          opts.interaction_reward_weight * state.interaction_reward)
+                          opts.interaction_reward_weight * state.interaction_reward, state.versions)
 
     async def _turns(self, ctx: LoopContext, engine: BatchedEngine, sample: Sample, state: _State,
                      instances: dict[str, str], budget: int, session: InteractionSession | None) -> None:
@@ -240,7 +245,7 @@ class ToolAgentLoop(AgentLoop):
         num_assistant = num_user = 0
         while True:
             out = await engine.generate(sample.prompt_ids + state.response_ids, budget - len(state.response_ids))
-            state.add(out.response_ids, out.logprobs)
+            state.add(out.response_ids, out.logprobs, out.extra.get("versions"))
             num_assistant += 1
             text = ctx.decode(out.response_ids)
             content, calls, errors = parse_tool_calls(text, opts.format)

@@ -24,6 +24,7 @@ class Trajectory:
     tool_reward: float = 0.0  # the sum of the tools' step rewards and calc_reward, times tool_reward_weight
     metrics: dict[str, float] = field(default_factory=dict)  # per-sample counts (tool calls, errors, ...)
     interaction_reward: float = 0.0  # a simulated user's turn scores, summed, times interaction_reward_weight
+    versions: list[int] | None = None  # asynchronous modes: each token's policy version (-1 on tool/user tokens)
 
     def __post_init__(self):
         if not (len(self.response_ids) == len(self.response_mask) == len(self.logprobs)):

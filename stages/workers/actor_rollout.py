@@ -48,6 +48,7 @@ from stages.workers.train_engine import (
     micro_batches,
     resolve_trainer,
 )
+from stages.workers.weight_transfer import WeightGroup, WeightMeta, weight_meta
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,9 @@ class ActorRolloutWorker:
         self.rl = cfg.rl
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
-        self.engine = make_engine(cfg, model_dir)
+        # with rollout workers of their own (ray.rollout_devices_per_node), the trainer generates nothing
+        self.engine = None if cfg.ray.rollout_devices_per_node else make_engine(cfg, model_dir)
+        self.rank, self.weights = rank, None  # weights: the broadcast group to the rollout workers
         self._held_awake = False
         torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
         # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
@@ -246,8 +249,12 @@ class ActorRolloutWorker:
 
     def _check_engine(self, prompts: list[list[int]]) -> float:
         tokens = min(self.rl.rollout.logprob_check_tokens, self.cfg.data.max_response_length)  # fits the engine
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=tokens)
-        outs = self.generate(prompts, params)
+        return self.engine_diff(prompts, self.generate(prompts, SamplingParams(n=1, temperature=0.0,
+                                                                               max_tokens=tokens)))
+
+    def engine_diff(self, prompts: list[list[int]], outs: list[RolloutOutput]) -> float:
+        """The largest |engine - trainer| logprob over greedy `outs` of `prompts` (all ranks, a collective);
+        StaleEngineError above rl.rollout.logprob_check_tol."""
         batch = build_batch([prompts[o.prompt_index] for o in outs], [o.response_ids for o in outs],
                             [o.logprobs for o in outs], pad_token_id=0)
         self.actor.eval()
@@ -263,6 +270,24 @@ class ActorRolloutWorker:
                 f"> rl.rollout.logprob_check_tol={self.rl.rollout.logprob_check_tol}"
             )
         return diff
+
+    # ---- weights to rollout workers on other devices (stages/workers/weight_transfer.py) ---------------
+
+    def open_weight_group(self, addr: str, port: int, size: int) -> None:
+        """Rank 0 joins the broadcast group to the rollout workers as its rank 0 (the others take no part)."""
+        if self.rank == 0:
+            self.weights = WeightGroup(addr, port, 0, size, self.device, self.rl.async_training.rollout_timeout_s)
+
+    def weight_meta(self) -> WeightMeta:
+        """Names, shapes and dtypes of a push, in its order (every rank iterates: the gathers are collective)."""
+        return weight_meta(iter_hf_weights(self.actor, self.lora_scale))
+
+    def send_weights(self) -> dict[str, float]:
+        """Push the actor's weights to the rollout workers (every rank gathers; rank 0 broadcasts)."""
+        start = time.perf_counter()
+        weights = iter_hf_weights(self.actor, self.lora_scale)
+        sent = self.weights.send(weights) if self.weights else sum(1 for _ in weights)
+        return {"timing_s/push": time.perf_counter() - start, "async/push_mib": sent / 2**20}
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def worker_env(cfg: RayConfig) -> dict[str, str]:
     CPU backend then pins torch to 1 thread); a colocated worker owns its share of the node's cores, unless the
     user set OMP_NUM_THREADS for the run (then every process of it uses that many)."""
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
-    cores = str(max(1, (os.cpu_count() or 1) // cfg.num_devices_per_node))
+    cores = str(max(1, (os.cpu_count() or 1) // (cfg.num_devices_per_node + cfg.rollout_devices_per_node)))
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or cores
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH", "")) if p)
@@ -80,26 +80,30 @@ def _free_port() -> tuple[str, int]:
 
 
 class Placement:
-    """One bundle per device: {"CPU": 1} (+ {"GPU": 1} when the cluster has GPUs), shared by `num_roles`."""
+    """One bundle per device: {"CPU": 1} (+ {"GPU": 1} when the cluster has GPUs). The trainer's bundles
+    (0 .. world_size-1) are shared by `num_roles` colocated roles; with `ray.rollout_devices_per_node`, the
+    rollout workers' bundles follow them (from `rollout_bundle`), one whole bundle each."""
 
     def __init__(self, cfg: RayConfig, num_roles: int):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        self.world_size = cfg.num_devices_per_node * cfg.num_nodes
+        self.world_size, self.rollout_bundle = cfg.num_trainers, cfg.num_trainers
+        total = cfg.num_trainers + cfg.num_rollout_workers
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
         strategy = "STRICT_PACK" if cfg.num_nodes == 1 else "PACK"
-        self.group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
+        self.group = placement_group([dict(bundle) for _ in range(total)], strategy=strategy)
         if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             remove_placement_group(self.group)
             raise RuntimeError(
-                f"Ray could not place {self.world_size} workers ({bundle} each, {strategy}) in "
+                f"Ray could not place {total} workers ({bundle} each, {strategy}) in "
                 f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}. Lower ray.num_devices_per_node "
                 "/ ray.num_nodes, add nodes, or on CPU raise ray.num_cpus (logical CPU slots)")
         self.share = {"num_cpus": 1.0 / num_roles, "num_gpus": (1.0 / num_roles) if gpus else 0}
-        logger.info("placement group: %d bundles %s (%s), %d colocated roles", self.world_size, bundle, strategy,
-                    num_roles)
+        self.whole = {"num_cpus": 1.0, "num_gpus": 1.0 if gpus else 0}
+        logger.info("placement group: %d bundles %s (%s), %d colocated roles%s", total, bundle, strategy, num_roles,
+                    f", {cfg.num_rollout_workers} rollout workers" if cfg.num_rollout_workers else "")
 
     def strategy(self, rank: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -112,19 +116,28 @@ class Placement:
         remove_placement_group(self.group)
 
 
-class WorkerGroup:
-    """N Ray actors of one role, rank r on bundle r; results come back in rank order."""
+def free_port_on(placement: Placement, bundle: int) -> tuple[str, int]:
+    """The IP of the node holding `bundle` and a free port there (a rendezvous address)."""
+    import ray
 
-    def __init__(self, cls, cfg: Config, model_dir: str, placement: Placement):
+    return ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=placement.strategy(bundle)).remote())
+
+
+class WorkerGroup:
+    """N Ray actors of one role, rank r on bundle `first_bundle` + r; results come back in rank order. By default
+    the trainer's colocated roles (N = placement.world_size, a share of each bundle); `rollout=True`: the rollout
+    workers (N = ray.rollout_devices_per_node * ray.num_nodes, whole bundles)."""
+
+    def __init__(self, cls, cfg: Config, model_dir: str, placement: Placement, rollout: bool = False):
         import ray
 
         self.name = cls.__name__
-        self.world_size = placement.world_size
-        addr, port = ray.get(ray.remote(num_cpus=0)(_free_port).options(
-            scheduling_strategy=placement.strategy(0)).remote())
-        remote = ray.remote(**placement.share)(cls)
+        self.world_size = cfg.ray.num_rollout_workers if rollout else placement.world_size
+        first = placement.rollout_bundle if rollout else 0
+        addr, port = free_port_on(placement, first)
+        remote = ray.remote(**(placement.whole if rollout else placement.share))(cls)
         self.handles = [
-            remote.options(scheduling_strategy=placement.strategy(rank)).remote(
+            remote.options(scheduling_strategy=placement.strategy(first + rank)).remote(
                 cfg, model_dir, rank, self.world_size, addr, port)
             for rank in range(self.world_size)
         ]
@@ -132,14 +145,14 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """`method(*args)` on every rank (collectives inside need all of them)."""
-        return self._get([getattr(h, method).remote(*args, **kwargs) for h in self.handles])
+        return self.get_all([getattr(h, method).remote(*args, **kwargs) for h in self.handles])
 
     def call_one(self, method: str, *args, **kwargs):
         """Rank 0's result of a call on every rank (workers reduce results across ranks themselves)."""
         return self.call(method, *args, **kwargs)[0]
 
     def call_each(self, method: str, per_rank_args: list[tuple]) -> list:
-        return self._get([getattr(h, method).remote(*args) for h, args in zip(self.handles, per_rank_args)])
+        return self.get_all([getattr(h, method).remote(*args) for h, args in zip(self.handles, per_rank_args)])
 
     def map_rows(self, method: str, batch: Batch, mini_rows: int, *args):
         """Rank r computes on its rows (`rank_rows`); per-row tensor results (or tuples of them) are gathered
@@ -156,7 +169,7 @@ class WorkerGroup:
         return self.call_each(method, [(batch.select(rows), *args) for rows in shards])[0]
 
     @staticmethod
-    def _get(refs: list) -> list:
+    def get_all(refs: list) -> list:
         """Results in rank order; a failed rank raises at once, not after ranks blocked in a collective with it."""
         import ray
 

@@ -17,8 +17,25 @@ def test_tensor_parallel_rollout_needs_vllm_and_must_divide_the_workers():
     assert load_config(None, tp2).rl.rollout.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 needs rl.rollout.engine=vllm"):
         load_config(None, tp2 + ["rl.rollout.engine=cuda"])
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 must divide the number of workers.* = 4"):
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 must divide the number of generating "
+                       r"workers, 4"):
         load_config(None, tp2 + ["rl.rollout.tensor_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match=r"must divide the number of generating workers, 3 "):
+        load_config(None, tp2 + ["ray.rollout_devices_per_node=3"])
+
+
+def test_asynchronous_modes_need_rollout_devices_and_pushes_within_the_staleness_bound():
+    fully = ["rl.enabled=true", "rl.async_training.mode=fully_async"]
+    with pytest.raises(ConfigError, match=r"mode=fully_async generates on devices of its own.*"
+                       r"ray.rollout_devices_per_node"):
+        load_config(None, fully)
+    cfg = load_config(None, fully + ["ray.rollout_devices_per_node=1"])
+    assert (cfg.ray.num_trainers, cfg.ray.num_rollout_workers, cfg.rl.async_training.staleness) == (1, 1, 1)
+    with pytest.raises(ConfigError, match=r"trigger_parameter_sync_step=3 .* raise max_staleness \(=1\) to at least "
+                       r"that"):
+        load_config(None, fully + ["ray.rollout_devices_per_node=1", "rl.async_training.trigger_parameter_sync_step=3"])
+    assert load_config(None, ["rl.async_training.mode=one_step_off", "ray.rollout_devices_per_node=2"]
+                       ).rl.async_training.staleness == 1
 
 
 def test_unknown_evaluation_engine_is_refused_with_the_choices():
