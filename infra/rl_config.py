@@ -260,6 +260,14 @@ class AsyncTrainingConfig(_Section):
                              f"(={self.max_staleness}) to at least that, or push more often")
         return self
 
+    def ignored_fields(self, separate: bool) -> list[str]:
+        """Fields set away from their defaults that this mode does not read (`separate`: rollout devices exist)."""
+        used = {"mode", "rollout_timeout_s"} if separate else {"mode"}
+        if self.mode == "fully_async":
+            used = set(type(self).model_fields)
+        return [f"rl.async_training.{name}={getattr(self, name)!r}" for name in sorted(self.model_fields_set - used)
+                if getattr(self, name) != type(self).model_fields[name].default]
+
     @property
     def staleness(self) -> int:
         """Policy versions a sample may lag behind the policy it trains in this mode."""

@@ -147,6 +147,10 @@ class RLTrainer:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
         self.automatic = self._automatic_settings()
+        ignored = self.rl.async_training.ignored_fields(bool(cfg.ray.num_rollout_workers))
+        if ignored:
+            logger.warning("rl: %s not used by rl.async_training.mode=%s%s", ", ".join(ignored),
+                           self.rl.async_training.mode, "" if cfg.ray.num_rollout_workers else " (colocated)")
         self.rewards = RewardPool(self.rl.reward)
         self.prefix_router = prefix_router(cfg, self.engines.world_size // self.rl.rollout.tensor_model_parallel_size)
         self.schedule: AsyncSchedule | None = None  # rollout workers of their own: the asynchronous modes

@@ -16,11 +16,13 @@ generation started with (its oldest token's). Its staleness when trained is (s-1
     fully_async   max_staleness     every K steps   chunks; with partial_rollout, a push lands between segments of
                                                     generation in flight (stages/rollout/partial.py)
 
-`staleness_policy=wait` (the only one of sync and one_step_off): a chunk starts only when the engines' version is
-new enough for the step that will train its last group (groups are taken in order, so that step is known), so no
-sample is ever staler than the bound; the sync mode is then exactly the synchronous loop on other devices (same
-prompts, seeds and group ids: tested equal). `drop`: chunks start whenever the queue has room
-(`queue_groups`), and the trainer drops groups over the bound as it takes them (`async/dropped_groups`).
+`staleness_policy=wait` (the only one of sync and one_step_off): groups are taken in the order they are kept, so the
+k-th kept group trains in step k // train_batch_size + 1; a chunk never asks for more groups than that step still
+needs, and starts only when the engines' version is new enough for it, so no sample is ever staler than the bound
+(dynamic sampling may keep fewer groups: the next chunk asks for the rest). The sync mode is then exactly the
+synchronous loop on other devices (same prompts, seeds and group ids: tested equal). `drop`: chunks start whenever
+the queue has room (`queue_groups`), and the trainer drops groups over the bound as it takes them
+(`async/dropped_groups`).
 
 Resume: the checkpoint records the next group to take (`next_group`); groups that were queued or in flight when the
 run stopped are generated again, with the checkpoint's weights. A rollout worker that dies fails the step with its
@@ -81,6 +83,7 @@ class AsyncRollout:
         self._engine, self._produce = engine, produce
         self.version, self.next_group = version, next_group  # next_group: the first group not yet taken
         self._next_chunk = next_group
+        self._kept = version * batch_size  # groups kept so far: each of the `version` steps trained took batch_size
         self._queue: deque[Group] = deque()
         self._cond = threading.Condition()
         self._in_chunk = self._pausing = self._pushing = self._closed = False
@@ -100,32 +103,41 @@ class AsyncRollout:
                     self._cond.wait_for(self._may_start)
                     if self._closed:
                         return
-                    first, self._next_chunk, self._in_chunk = self._next_chunk, self._next_chunk + self.chunk, True
+                    first, count = self._next_chunk, self._chunk_size()
+                    self._next_chunk, self._in_chunk = first + count, True
                 try:
-                    groups = self._produce(first, self.chunk)
+                    groups = self._produce(first, count)
                 finally:
                     with self._cond:
                         self._in_chunk = False
                         self._cond.notify_all()
                 with self._cond:
                     self._queue.extend(groups)
+                    self._kept += len(groups)
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
+    def _chunk_size(self) -> int:
+        """Groups of the next chunk. `wait`: no more than the next step still needs, so that every group the chunk
+        keeps trains in one known step (dynamic sampling may keep fewer: the next chunk fills the rest)."""
+        if self.policy == "drop":
+            return self.chunk
+        return min(self.chunk, self.batch_size - self._kept % self.batch_size)
+
     def _may_start(self) -> bool:
         if self._closed:
             return True
-        if self._pausing or len(self._queue) + self.chunk > self.capacity:
+        if self._pausing or len(self._queue) + self._chunk_size() > self.capacity:
             return False
-        return self.policy == "drop" or self.version >= self.required_version(self._next_chunk)
+        return self.policy == "drop" or self.version >= self.required_version()
 
-    def required_version(self, first: int) -> int:
-        """The oldest engine version a chunk starting at group `first` may use: its last group trains in step
-        last // batch_size + 1 (at the latest), on version last // batch_size."""
-        return (first + self.chunk - 1) // self.batch_size - self.staleness
+    def required_version(self) -> int:
+        """`wait`: the oldest engine version the next chunk may use. Groups are taken in the order they are kept, so
+        the next kept group trains in step kept // batch_size + 1, on version kept // batch_size."""
+        return self._kept // self.batch_size - self.staleness
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """The engines' generate, each output's tokens tagged with their policy version; in segments with partial
@@ -155,13 +167,11 @@ class AsyncRollout:
         """The next `num_groups` groups for the step that trains `trained_version` (waiting for them), dropping those
         over the staleness bound (policy drop). RolloutFailed when the producer failed or nothing came in time."""
         start = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
         taken, dropped = [], 0
         with self._cond:
             queued = len(self._queue)
-            while len(taken) < num_groups:
-                ready = self._cond.wait_for(lambda: self._queue or self._error is not None,
-                                            timeout=max(0.0, deadline - time.monotonic()))
+            while len(taken) < num_groups:  # rollout_timeout_s bounds the wait for each group
+                ready = self._cond.wait_for(lambda: self._queue or self._error is not None, timeout=self.timeout_s)
                 self._raise_failure(ready)
                 group = self._queue.popleft()
                 self.next_group = group.index + 1
@@ -181,8 +191,8 @@ class AsyncRollout:
         if not ready:
             raise RolloutFailed(
                 f"no scored group came from the rollout workers in {self.timeout_s:g} s "
-                "(rl.async_training.rollout_timeout_s): a rollout worker is stalled, or generation of one chunk "
-                "takes longer (then raise the timeout or lower rl.async_training.generation_groups)")
+                "(rl.async_training.rollout_timeout_s): a rollout worker is stalled, or one chunk takes longer to "
+                "generate and score (then raise the timeout or lower rl.async_training.generation_groups)")
 
     def push(self, version: int, send: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run `send` (the weight transfer) while no engine call is running, then mark the engines `version`. A
@@ -208,8 +218,9 @@ class AsyncRollout:
         with self._cond:
             self._pausing = True
             self._cond.wait_for(lambda: not self._in_chunk or self._error is not None)
-            self._raise_failure(True)
         try:
+            with self._cond:
+                self._raise_failure(True)
             yield
         finally:
             with self._cond:

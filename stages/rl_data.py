@@ -23,12 +23,15 @@ COUNTS = ("/errors", "/timeouts", "/nan")  # reward metrics that add up over gen
 
 
 def average_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Metrics of several generation batches as one: counts (COUNTS, async/*) summed, the others averaged."""
+    """Metrics of several generation batches as one: counts (COUNTS, async/*) summed, the others averaged over the
+    batches that have them."""
     total: dict[str, float] = {}
+    seen: dict[str, int] = {}
     for part in parts:
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + value
-    return {k: v if k.endswith(COUNTS) or k.startswith("async/") else v / len(parts) for k, v in total.items()}
+            seen[key] = seen.get(key, 0) + 1
+    return {k: v if k.endswith(COUNTS) or k.startswith("async/") else v / seen[k] for k, v in total.items()}
 
 
 class PromptSampler:

@@ -31,6 +31,7 @@ class _Partial:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    extra: dict
 
     def extend(self, out: RolloutOutput, version: int) -> None:
         self.response_ids += out.response_ids
@@ -40,7 +41,7 @@ class _Partial:
 
     def output(self) -> RolloutOutput:
         return RolloutOutput(self.prompt_index, self.response_ids, self.logprobs, self.finish_reason,
-                             {"versions": self.versions})
+                             {**self.extra, "versions": self.versions})
 
 
 def versioned(outputs: list[RolloutOutput], version: int) -> list[RolloutOutput]:
@@ -55,7 +56,7 @@ def generate_in_segments(call: VersionedCall, prompt_ids: list[list[int]], param
     first = replace(params, max_tokens=min(segment_tokens, params.max_tokens))
     outs, version = call(prompt_ids, first)
     samples = [_Partial(o.prompt_index, list(o.response_ids), list(o.logprobs), [version] * len(o.response_ids),
-                        o.finish_reason) for o in outs]
+                        o.finish_reason, dict(o.extra)) for o in outs]
     segment = 1
     while True:
         live = [s for s in samples if s.finish_reason == "length" and len(s.response_ids) < params.max_tokens]

@@ -36,8 +36,9 @@ from stages.model.fsdp import (
     shard,
 )
 from stages.model.loading import compute_dtype, load_model, load_tokenizer
-from stages.model.policy import TokenLogprobs, compile_layers, pack_rows
+from stages.model.policy import TokenLogprobs, compile_layers, pack_rows, packing_unsupported
 from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.cuda_model import unsupported
 from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_loss import actor_loss
 from stages.workers.train_engine import (
@@ -74,7 +75,11 @@ def make_engine(cfg: Config, model_dir: str):
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, cfg.model, trainable=False)
     on_gpu = torch.cuda.is_available()
-    if rollout.engine == "cuda":
+    problem = unsupported(model.config) if rollout.engine == "cuda" else None
+    if problem:  # never wrong numbers: the transformers path computes any model it loads
+        logger.warning("rl.rollout.engine=cuda cannot run this model (%s): generating with transformers (the hf "
+                       "engine) instead", problem)
+    if rollout.engine == "cuda" and not problem:
         from stages.rollout.cuda_engine import CudaRolloutEngine
 
         # The engine copies the weights into its own fused layout (the HF model is not kept) and holds a
@@ -142,8 +147,16 @@ class ActorRolloutWorker:
         """Decide the actor's automatic (None) settings once, for this device and model; `automatic` lists them
         (with the rollout's prefix_cache_rows) for the driver to log and record."""
         given, cuda = cfg.rl.actor, self.device.type == "cuda"
+        problem = packing_unsupported(model.config)
+        if problem and given.use_remove_padding:
+            raise ValueError(f"rl.actor.use_remove_padding=true: packed rows cannot compute this model ({problem}); "
+                             "set it to false or leave it null")
+        if problem and cuda and given.use_remove_padding is None:
+            logger.warning("rl.actor.use_remove_padding: off, packed rows cannot compute this model (%s): the actor "
+                           "and reference run on padded rows", problem)
         actor = resolve_trainer(given, model).model_copy(update={
-            "use_remove_padding": cuda if given.use_remove_padding is None else given.use_remove_padding,
+            "use_remove_padding": (cuda and not problem) if given.use_remove_padding is None
+            else given.use_remove_padding,
             "use_torch_compile": cuda if given.use_torch_compile is None else given.use_torch_compile,
             "logprob_chunk_tokens": given.logprob_chunk_tokens or (8192 if cuda else 1024)})
         rollout = cfg.rl.rollout.model_copy(update={"prefix_cache_rows": prefix_cache_rows(cfg)})
@@ -278,15 +291,26 @@ class ActorRolloutWorker:
         if self.rank == 0:
             self.weights = WeightGroup(addr, port, 0, size, self.device, self.rl.async_training.rollout_timeout_s)
 
+    def _pushed_weights(self):
+        """The weights a push sends: HF names, LoRA merged, floating tensors in the forward's dtype (model.dtype:
+        the engines compute in it, so sending fp32 master weights would only double the bytes)."""
+        dtype = compute_dtype(self.cfg.model)
+        for name, tensor in iter_hf_weights(self.actor, self.lora_scale):
+            yield name, tensor.to(dtype) if dtype and tensor.is_floating_point() else tensor
+
     def weight_meta(self) -> WeightMeta:
         """Names, shapes and dtypes of a push, in its order (every rank iterates: the gathers are collective)."""
-        return weight_meta(iter_hf_weights(self.actor, self.lora_scale))
+        return weight_meta(self._pushed_weights())
 
     def send_weights(self) -> dict[str, float]:
         """Push the actor's weights to the rollout workers (every rank gathers; rank 0 broadcasts)."""
         start = time.perf_counter()
-        weights = iter_hf_weights(self.actor, self.lora_scale)
-        sent = self.weights.send(weights) if self.weights else sum(1 for _ in weights)
+        weights = self._pushed_weights()
+        if self.weights is None:  # ranks > 0 take part in the gathers only
+            for _ in weights:
+                pass
+            return {}
+        sent = self.weights.send(weights)
         return {"timing_s/push": time.perf_counter() - start, "async/push_mib": sent / 2**20}
 
     # ---- checkpoints -------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ class WeightGroup:
             sent += tensor.numel() * tensor.element_size()
         return sent
 
+    def close(self) -> None:
+        """Leave the group before the process ends (NCCL's watchdog otherwise reports the store's owner gone)."""
+        self._broadcast(torch.zeros(1, device=self.device))  # every rank gets here before anyone leaves
+        if hasattr(self.group, "shutdown"):
+            self.group.shutdown()
+
     def receive(self, meta: WeightMeta) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs as they arrive (ranks > 0), for an engine's `update_weights`."""
         for name, shape, dtype in meta:

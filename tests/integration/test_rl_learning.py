@@ -60,7 +60,12 @@ def sft_model(tmp_path_factory):
     ["rl.algorithm.adv_estimator=reinforce_plus_plus"],
     ["rl.algorithm.filter_groups=true", "rl.algorithm.filter_groups_metric=score", "rl.algorithm.max_num_gen_batches=8",
      "rl.actor.clip_ratio_high=0.28", "rl.actor.loss_agg_mode=token-mean", "rl.reward.overlong_buffer=8"],
-], ids=["grpo", "ppo", "rloo", "reinforce_pp", "dapo"])
+    # a trainer and a rollout worker of its own (stages/rl_async.py): one version behind, and fully asynchronous
+    # with partial rollouts (pushes land between 8-token segments) and truncated importance sampling
+    ["ray.rollout_devices_per_node=1", "rl.async_training.mode=one_step_off"],
+    ["ray.rollout_devices_per_node=1", "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=8",
+     "rl.async_training.partial_rollout_tokens=8", "rl.algorithm.rollout_correction.rollout_is=token"],
+], ids=["grpo", "ppo", "rloo", "reinforce_pp", "dapo", "one_step_off", "fully_async"])
 def test_algorithm_raises_mean_reward(sft_model, tmp_path, overrides):
     scores = step_scores(learn(sft_model, tmp_path / "store", overrides))
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3

@@ -1,0 +1,147 @@
+"""Synchronous vs one-step off-policy vs fully async RL on the demo task, side by side on the same CPU (one run).
+
+    PYTHONPATH=. .venv/bin/python bench/async_cpu.py [--seeds 0 1] [--steps 12] [--target 0.9] [--from DIR]
+
+SFT once per seed (the demo recipe, `recipes/demo.yaml`; `--from` reuses the data and SFT model of an earlier run,
+as bench/rl_learning.py's FROM does), then RL from it in each variant, each cold (its own store, its own Ray
+cluster of the machine's cores): every variant uses the same two CPU slots, so the colocated loop's one worker has
+both cores and a separate trainer and rollout worker have one each. Validation (greedy, `--val` prompts) every 2
+steps gives the held-out accuracy; its time is left out of the figures (it pauses the asynchronous producer).
+
+Per variant and seed: steps per minute of training (RL wall time without validation and start-up), time to the
+first validation at `--target` held-out accuracy (the demo reaches 97.5% at step 10), the last validation
+accuracy, the mean rollout score of the first and last 3 steps, and staleness (SQL over `rollouts`).
+Prints a table last; writes JSON and a markdown table to --out (default bench/results/<date>-async-cpu.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from infra.checkpoints import StoreCheckpoints
+from infra.config import load_config
+from infra.sql import query
+from infra.store import ArtifactStore
+from infra.tracking import Tracker
+from infra.trajectories import RunTables
+
+SEPARATE = ["ray.num_devices_per_node=1", "ray.rollout_devices_per_node=1"]
+FULLY = [*SEPARATE, "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=16",
+         "rl.async_training.max_staleness=1", "rl.async_training.partial_rollout_tokens=16"]
+VARIANTS = {
+    "sync colocated": ["ray.num_devices_per_node=1"],
+    "sync separate": SEPARATE,
+    "one-step off": [*SEPARATE, "rl.async_training.mode=one_step_off"],
+    "fully async": FULLY,
+    "fully async + TIS": [*FULLY, "rl.algorithm.rollout_correction.rollout_is=token"],
+}
+
+
+def prepare(cfg, folder: Path) -> None:
+    from bench.rl_learning import prepare as sft
+
+    sft(cfg, folder)
+
+
+def run_variant(base: list[str], overrides: list[str], folder: Path, store_dir: Path) -> dict:
+    from stages.rl import run_rl
+
+    cfg = load_config("recipes/demo.yaml", base + overrides)
+    shutil.rmtree(store_dir, ignore_errors=True)
+    store = ArtifactStore(str(store_dir))
+    start = time.time()  # run_rl starts and stops its own local Ray cluster (ray.num_cpus slots)
+    run_rl(cfg, str(folder / "sft"), folder / "data", StoreCheckpoints(store, "bench", 1), RunTables(store, "bench"),
+           Tracker([]))
+    return summarize(str(store_dir), start, time.time())
+
+
+def summarize(root: str, start: float, end: float) -> dict:
+    def series(name: str) -> dict[int, float]:
+        return {r["step"]: r["value"] for r in query(root, f"SELECT step, value FROM metrics WHERE name = '{name}'")}
+
+    step_s, testing = series("timing_s/step"), series("timing_s/testing")
+    acc = {s: v for s, v in series("val/acc/mean@1").items() if s > 0}
+    stamps = {r["step"]: r["t"] for r in query(root, "SELECT step, epoch(max(time)) AS t FROM metrics GROUP BY 1")}
+    first_stamp = min(stamps.values())
+    train_s = sum(step_s.values())
+    scores = [r["s"] for r in query(root, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
+    stale = query(root, "SELECT avg(staleness) AS mean, max(staleness) AS max, avg(CASE WHEN policy_version <> "
+                        "policy_version_max THEN 1 ELSE 0 END) AS partial FROM rollouts")[0]
+    return {"steps": len(step_s), "train_s": train_s, "steps_per_min": 60 * len(step_s) / train_s,
+            "rl_wall_s": end - start, "startup_s": first_stamp - start - step_s[min(step_s)],
+            "acc": acc, "step_s": step_s, "testing_s": testing, "stamps": stamps, "scores": scores,
+            "staleness_mean": stale["mean"], "staleness_max": stale["max"], "partial_frac": stale["partial"]}
+
+
+def time_to(result: dict, target: float) -> float | None:
+    """Training seconds (steps only, validation left out) until the first validation at `target` accuracy."""
+    for step in sorted(result["acc"]):
+        if result["acc"][step] >= target:
+            return sum(v for s, v in result["step_s"].items() if s <= step)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--val", type=int, default=100, help="held-out prompts per validation")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--from", dest="source", help="folder of an earlier run (data/, sft/ per seed-N)")
+    parser.add_argument("--work", default="/tmp/async-bench")
+    parser.add_argument("--out", default=f"bench/results/{date.today()}-async-cpu")
+    args = parser.parse_args()
+    work = Path(args.source or args.work)
+    results = []
+    for seed in args.seeds:
+        base = [f"run.seed={seed}", f"rl.total_steps={args.steps}", "rl.test_freq=2", "rl.save_freq=0",
+                f"rl.max_validation_samples={args.val}", "rl.val_before_train=false", "ray.num_cpus=2"]
+        folder = work / f"seed-{seed}"
+        if not (folder / "sft").exists():
+            prepare(load_config("recipes/demo.yaml", base + ["sft.save_freq=100000"]), folder)
+        for name in args.variants:
+            result = run_variant(base, VARIANTS[name], folder, folder / f"store-{name.replace(' ', '_')}")
+            result.update(variant=name, seed=seed, overrides=VARIANTS[name],
+                          time_to_target_s=time_to(result, args.target))
+            results.append(result)
+            print(json.dumps({k: result[k] for k in ("variant", "seed", "steps_per_min", "time_to_target_s",
+                                                     "staleness_mean")}), flush=True)
+    write(results, args)
+
+
+def write(results: list[dict], args) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {len(os.sched_getaffinity(0))} cores"
+    command = "PYTHONPATH=. .venv/bin/python " + " ".join(sys.argv)
+    Path(args.out + ".json").write_text(json.dumps({"command": command, "commit": commit, "machine": machine,
+                                                    "date": str(date.today()), "results": results}, indent=1,
+                                                   default=str))
+    sync = {r["seed"]: r["steps_per_min"] for r in results if r["variant"] == "sync colocated"}
+    lines = ["| variant | seed | steps/min | ratio to sync colocated | time to target (s) | last val acc | "
+             "score first 3 -> last 3 | staleness mean / max | samples across a push |", "|" + " --- |" * 9]
+    for r in results:
+        last = r["acc"][max(r["acc"])] if r["acc"] else float("nan")
+        ratio = r["steps_per_min"] / sync[r["seed"]] if r["seed"] in sync else float("nan")
+        first3, last3 = sum(r["scores"][:3]) / 3, sum(r["scores"][-3:]) / 3
+        ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        lines.append(f"| {r['variant']} | {r['seed']} | {r['steps_per_min']:.1f} | {ratio:.2f}x | {ttt} | {last:.3f} | "
+                     f"{first3:.3f} -> {last3:.3f} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
+                     f"{r['partial_frac']:.2f} |")
+    table = "\n".join(lines)
+    Path(args.out + ".md").write_text(f"Command: `{command}`\nCommit {commit}, {machine}, {date.today()}\n\n"
+                                      f"{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
