@@ -104,7 +104,8 @@ class DataConfig(Section):
 class TinyModelConfig(Section):
     """A small model built offline from this config plus a tokenizer trained on the task's text."""
 
-    arch: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture family.")
+    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama"] = Field(
+        "qwen2", description="Architecture family (qwen3_moe: 4 experts, 2 per token, each of intermediate_size / 2).")
     hidden_size: int = Field(128, gt=0, multiple_of=8)
     num_layers: int = Field(2, gt=0)
     num_heads: int = Field(4, gt=0)

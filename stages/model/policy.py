@@ -314,6 +314,20 @@ def _hf_packed_mask(*args, attention_mask=None, **kwargs):
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
+PACKED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")  # attention through transformers' interface, no windows
+
+
+def packing_unsupported(config) -> str | None:
+    """Why packed rows would not compute this model exactly (None: they do): attention must go through
+    transformers' attention interface (the packed implementation sees every layer) and never slide."""
+    if config.model_type not in PACKED_MODEL_TYPES:
+        return f"model_type={config.model_type!r} (packed: {', '.join(PACKED_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                               or ()):
+        return "sliding-window attention"
+    return None
+
+
 def use_packed_attention(lm: nn.Module) -> None:
     """Register `PACKED_ATTENTION` with transformers and switch `lm` (or the model inside peft) to it."""
     from transformers import AttentionInterface

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from infra.config import TinyModelConfig
 
@@ -69,6 +77,11 @@ def _model_config(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast):
     )
     if cfg.arch == "qwen2":
         return Qwen2Config(**common)
+    if cfg.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=cfg.hidden_size // cfg.num_heads)
+    if cfg.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=cfg.hidden_size // cfg.num_heads, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
     return LlamaConfig(**common, head_dim=cfg.hidden_size // cfg.num_heads)
 
 

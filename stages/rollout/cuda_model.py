@@ -1,8 +1,9 @@
 """A plain-torch decoder for generation: fused weights, a static KV cache, prefill and one decode step.
 
 The rollout engine (cuda_engine.py) drives this module; it holds no scheduling state. It implements the
-Qwen2 / Llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP) on weights copied
-from a transformers model, with the same operation order as transformers so that greedy outputs match:
+Qwen2 / Qwen3 / Llama 2-3 decoder (RMSNorm, Qwen3's per-head q/k norms, rotary embeddings from the model's own
+rotary module, so Llama 3's rope scaling too, grouped-query attention, SwiGLU MLP) on weights copied from a
+transformers model, with the same operation order as transformers so that greedy outputs match:
 
 - weights: per layer one fused qkv projection and one fused gate/up projection; `load` copies HF-named
   tensors into them in place, so captured CUDA graphs stay valid across weight syncs;
@@ -35,7 +36,18 @@ import torch.nn.functional as F
 
 from stages.model.policy import packed_attention
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # llama: Llama 2 and 3 (rope scaling comes from HF's rotary)
+
+
+def unsupported(config) -> str | None:
+    """Why the decoder below cannot compute this HF config's model exactly, or None when it can."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "an MLP other than silu without bias"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    return None
 
 
 @dataclass(frozen=True)
@@ -51,25 +63,24 @@ class DecoderShape:
     qkv_bias: bool
     o_bias: bool
     tied: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
 
     @classmethod
     def from_config(cls, config) -> DecoderShape:
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type={config.model_type!r} is not supported by the cuda rollout engine "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use rl.rollout.engine=hf or vllm")
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-            raise ValueError("the cuda rollout engine supports silu MLPs without bias; use rl.rollout.engine=hf")
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("the cuda rollout engine has no sliding-window attention; use rl.rollout.engine=hf")
+        problem = unsupported(config)
+        if problem:
+            raise ValueError(f"the cuda rollout engine cannot run this model: {problem}; use rl.rollout.engine=hf "
+                             "or vllm")
         heads = config.num_attention_heads
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = config.model_type == "qwen2" or attention_bias
         return cls(
             num_layers=config.num_hidden_layers, hidden=config.hidden_size, num_heads=heads,
             num_kv_heads=config.num_key_value_heads or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             intermediate=config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
-            qkv_bias=qkv_bias, o_bias=config.model_type == "llama" and qkv_bias,
-            tied=bool(config.tie_word_embeddings),
+            qkv_bias=qkv_bias, o_bias=config.model_type in ("llama", "qwen3") and attention_bias,
+            tied=bool(config.tie_word_embeddings), qk_norm=config.model_type == "qwen3",
         )
 
     @property
@@ -98,6 +109,9 @@ class DecoderWeights:
         self.o_w = [torch.empty(s.hidden, s.q_size, **kw) for _ in layers]
         self.o_b = [torch.empty(s.hidden, **kw) for _ in layers] if s.o_bias else [None] * s.num_layers
         self.post_norm = [torch.empty(s.hidden, **kw) for _ in layers]
+        none = [None] * s.num_layers
+        self.q_norm = [torch.empty(s.head_dim, **kw) for _ in layers] if s.qk_norm else none
+        self.k_norm = [torch.empty(s.head_dim, **kw) for _ in layers] if s.qk_norm else none
         self.gate_up = [torch.empty(2 * s.intermediate, s.hidden, **kw) for _ in layers]
         self.down = [torch.empty(s.hidden, s.intermediate, **kw) for _ in layers]
         self.shape = shape
@@ -118,6 +132,8 @@ class DecoderWeights:
                 p + "mlp.gate_proj.weight": self.gate_up[i][: s.intermediate],
                 p + "mlp.up_proj.weight": self.gate_up[i][s.intermediate :], p + "mlp.down_proj.weight": self.down[i],
             }
+            if s.qk_norm:
+                out |= {p + "self_attn.q_norm.weight": self.q_norm[i], p + "self_attn.k_norm.weight": self.k_norm[i]}
             if s.qkv_bias:
                 b = self.qkv_b[i]
                 out |= {p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q:k],
@@ -163,16 +179,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def attn_inputs(h, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
-    """(N, H) hidden -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D)."""
+def attn_inputs(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, eps: float, num_heads: int,
+                num_kv_heads: int):
+    """(N, H) hidden -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D); q and k normed per head first when
+    the model has q/k norms (Qwen3)."""
     x = rms_norm(h, norm_w, eps)
     qkv = F.linear(x, qkv_w, qkv_b)
     d = cos.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (N, 1, D)
-    q = _rotate(q.view(-1, num_heads, d), cos, sin)
-    k = _rotate(k.view(-1, num_kv_heads, d), cos, sin)
-    return q, k, v.reshape(-1, num_kv_heads, d)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(-1, num_kv_heads, d)
 
 
 def attn_output_and_mlp(h, attn, o_w, o_b, norm_w, gate_up_w, down_w, eps: float):
@@ -250,8 +269,8 @@ class Decoder:
 
     def _layer(self, i: int, h, cos, sin, attend) -> torch.Tensor:
         w, s = self.weights, self.shape
-        q, k, v = self._attn_inputs(h, w.in_norm[i], w.qkv_w[i], w.qkv_b[i], cos, sin, s.eps, s.num_heads,
-                                    s.num_kv_heads)
+        q, k, v = self._attn_inputs(h, w.in_norm[i], w.qkv_w[i], w.qkv_b[i], w.q_norm[i], w.k_norm[i], cos, sin,
+                                    s.eps, s.num_heads, s.num_kv_heads)
         attn = attend(i, q, k, v).reshape(-1, s.q_size)
         return self._attn_output_and_mlp(h, attn, w.o_w[i], w.o_b[i], w.post_norm[i], w.gate_up[i], w.down[i], s.eps)
 

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,6 +78,24 @@ def _without_proxy_modules():
         yield
     finally:
         sys.modules.update(hidden)
+
+
+def checkpoint_layout(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Runtime (transformers 5) names and tensors -> the checkpoint's, which vLLM's loaders read: mixture-of-experts
+    layers hold their experts fused (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)),
+    checkpoints one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, ...)."""
+    for name, tensor in pairs:
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, half = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
 
 
 class VLLMRolloutEngine:
@@ -154,8 +172,9 @@ class VLLMRolloutEngine:
         `lm_head.weight` for tied models, and a name it lacks is an error after loading.
         """
         if not isinstance(state, Mapping):
-            self._update_weights_stream(state)
+            self._update_weights_stream(checkpoint_layout(state))
             return
+        state = dict(checkpoint_layout(state.items()))
         allowed = self._checkpoint_names | ({"lm_head.weight"} if self._tied else set())
         missing, unexpected = sorted(self._checkpoint_names - state.keys()), sorted(state.keys() - allowed)
         if missing or unexpected:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from infra.config import load_config
 from stages.batch import build_batch
@@ -29,7 +29,17 @@ def tiny_model(arch: str = "qwen2", seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=EOS,
                   pad_token_id=PAD, bos_token_id=None, rope_theta=10000.0)
-    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common, attention_bias=True)
+    configs = {
+        "qwen2": lambda: Qwen2Config(**common),
+        "llama": lambda: LlamaConfig(**common, attention_bias=True),
+        # Qwen3: q/k norms, no q/k/v bias, a head_dim that is not hidden / heads (as Qwen3's 128 with other widths)
+        "qwen3": lambda: Qwen3Config(**common, head_dim=32),
+        # Llama 3: rope scaling of the llama3 kind (long wavelengths stretched), positions beyond the original length
+        "llama3": lambda: LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 16}),
+    }
+    config = configs[arch]()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -51,7 +61,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, stop: int) -> list[int]
     return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "llama3"])
 def test_greedy_equals_hf_generate_through_admission_and_compaction(arch):
     model = tiny_model(arch)
     batch = prompts(7)
@@ -72,8 +82,9 @@ def test_greedy_equals_hf_generate_through_admission_and_compaction(arch):
         assert len(o.logprobs) == len(o.response_ids)
 
 
-def test_sampled_logprobs_equal_the_trainers():
-    model = tiny_model()
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
+def test_sampled_logprobs_equal_the_trainers(arch):
+    model = tiny_model(arch)
     batch = prompts(5)
     engine = CudaRolloutEngine(model, EOS, max_num_seqs=6, max_model_len=40, sync_every=2)
     params = SamplingParams(n=3, temperature=0.7, max_tokens=20, seed=3)

@@ -29,12 +29,13 @@ def test_pack_rows_drops_padding_and_finds_the_responses():
     assert packed["predicting"][:6].tolist() == [2, 3, 4, 5, 6, 7]  # row 0: prompt at 0..2, response at 3..8
 
 
-def test_packed_forward_equals_padded_forward_and_gradients():
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
+def test_packed_forward_equals_padded_forward_and_gradients(arch):
     batch = _batch()
     inputs, mask = batch.model_inputs(), batch.response_mask
     results = []
     for pack in (False, True):
-        model = tiny_model()
+        model = tiny_model(arch)
         module = TokenLogprobs(model, chunk_tokens=7, pack=pack)
         lp, ent = module(**inputs, temperature=0.9, with_entropy=True)
         ((lp * mask).sum() + (ent * mask).sum()).backward()
