@@ -1,6 +1,8 @@
-"""Synchronous vs one-step off-policy vs fully async RL on the demo task, side by side on the same CPU (one run).
+"""Synchronous vs one-step off-policy vs fully async RL on the demo task, side by side on the same devices (one run).
 
     PYTHONPATH=. .venv/bin/python bench/async_cpu.py [--seeds 0 1] [--steps 12] [--target 0.9] [--from DIR]
+    PYTHONPATH=. python bench/async_cpu.py --gpu --devices 2 --set rl.rollout.engine=cuda ...   # 2 GPUs (issue 18:
+        needs Ray (carried in two halves), duckdb and this project's other CPU packages on the GPU machine)
 
 SFT once per seed (the demo recipe, `recipes/demo.yaml`; `--from` reuses the data and SFT model of an earlier run,
 as bench/rl_learning.py's FROM does), then RL from it in each variant, each cold (its own store, its own Ray
@@ -34,16 +36,18 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker
 from infra.trajectories import RunTables
 
-SEPARATE = ["ray.num_devices_per_node=1", "ray.rollout_devices_per_node=1"]
-FULLY = [*SEPARATE, "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=16",
-         "rl.async_training.max_staleness=1", "rl.async_training.partial_rollout_tokens=16"]
-VARIANTS = {
-    "sync colocated": ["ray.num_devices_per_node=1"],
-    "sync separate": SEPARATE,
-    "one-step off": [*SEPARATE, "rl.async_training.mode=one_step_off"],
-    "fully async": FULLY,
-    "fully async + TIS": [*FULLY, "rl.algorithm.rollout_correction.rollout_is=token"],
-}
+
+def variants(devices: int, gpu: bool) -> dict[str, list[str]]:
+    """Each variant on `devices` devices in all: colocated on all of them (on CPU one worker, with every core's
+    threads, as the demo runs), or half of them training and half generating."""
+    trainers = devices // 2
+    colocated = [f"ray.num_devices_per_node={devices if gpu else 1}"]
+    separate = [f"ray.num_devices_per_node={trainers}", f"ray.rollout_devices_per_node={devices - trainers}"]
+    fully = [*separate, "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=16",
+             "rl.async_training.max_staleness=1", "rl.async_training.partial_rollout_tokens=16"]
+    return {"sync colocated": colocated, "sync separate": separate,
+            "one-step off": [*separate, "rl.async_training.mode=one_step_off"], "fully async": fully,
+            "fully async + TIS": [*fully, "rl.algorithm.rollout_correction.rollout_is=token"]}
 
 
 def prepare(cfg, folder: Path) -> None:
@@ -52,10 +56,10 @@ def prepare(cfg, folder: Path) -> None:
     sft(cfg, folder)
 
 
-def run_variant(base: list[str], overrides: list[str], folder: Path, store_dir: Path) -> dict:
+def run_variant(recipe: str, base: list[str], overrides: list[str], folder: Path, store_dir: Path) -> dict:
     from stages.rl import run_rl
 
-    cfg = load_config("recipes/demo.yaml", base + overrides)
+    cfg = load_config(recipe, base + overrides)
     shutil.rmtree(store_dir, ignore_errors=True)
     store = ArtifactStore(str(store_dir))
     start = time.time()  # run_rl starts and stops its own local Ray cluster (ray.num_cpus slots)
@@ -96,7 +100,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--val", type=int, default=100, help="held-out prompts per validation")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(variants(2, False)))
+    parser.add_argument("--devices", type=int, default=2, help="devices in all (CPU slots, or GPUs with --gpu)")
+    parser.add_argument("--gpu", action="store_true", help="GPUs: colocated on every GPU, no ray.num_cpus")
+    parser.add_argument("--recipe", default="recipes/demo.yaml")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for every run (e.g. "
+                        "rl.rollout.engine=cuda model.path=...)")
     parser.add_argument("--from", dest="source", help="folder of an earlier run (data/, sft/ per seed-N)")
     parser.add_argument("--work", default="/tmp/async-bench")
     parser.add_argument("--out", default=f"bench/results/{date.today()}-async-cpu")
@@ -105,13 +114,15 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         base = [f"run.seed={seed}", f"rl.total_steps={args.steps}", "rl.test_freq=2", "rl.save_freq=0",
-                f"rl.max_validation_samples={args.val}", "rl.val_before_train=false", "ray.num_cpus=2"]
+                f"rl.max_validation_samples={args.val}", "rl.val_before_train=false", *args.set,
+                *([] if args.gpu else [f"ray.num_cpus={args.devices}"])]
+        plans = variants(args.devices, args.gpu)
         folder = work / f"seed-{seed}"
         if not (folder / "sft").exists():
-            prepare(load_config("recipes/demo.yaml", base + ["sft.save_freq=100000"]), folder)
+            prepare(load_config(args.recipe, base + ["sft.save_freq=100000"]), folder)
         for name in args.variants:
-            result = run_variant(base, VARIANTS[name], folder, folder / f"store-{name.replace(' ', '_')}")
-            result.update(variant=name, seed=seed, overrides=VARIANTS[name],
+            result = run_variant(args.recipe, base, plans[name], folder, folder / f"store-{name.replace(' ', '_')}")
+            result.update(variant=name, seed=seed, overrides=plans[name],
                           time_to_target_s=time_to(result, args.target))
             results.append(result)
             print(json.dumps({k: result[k] for k in ("variant", "seed", "steps_per_min", "time_to_target_s",

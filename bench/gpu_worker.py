@@ -165,7 +165,8 @@ class Bench:
         sync = self.phase("sync", times, peaks, self.worker.sync_weights, prompts[:2])
         times["step"] = sum(times[p] for p in PHASES)
         self.step_index += 1
-        return {**{f"timing_s/{k}": v for k, v in times.items()}, **peaks, **info,
+        worker_peaks = {f"worker/{k}": v for k, v in self.worker.memory_metrics().items()}  # the step's own metrics
+        return {**{f"timing_s/{k}": v for k, v in times.items()}, **peaks, **worker_peaks, **info,
                 "actor/grad_norm": metrics["actor/grad_norm"], "actor/pg_loss": metrics["actor/pg_loss"],
                 "rollout/logprob_diff_max": sync.get("rollout/logprob_diff_max", float("nan")),
                 "local_tokens": int(shard.tensors["attention_mask"].sum()),

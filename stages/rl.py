@@ -231,6 +231,7 @@ class RLTrainer:
                 metrics.update(self.schedule.after_update(step) if self.schedule else
                                self.actor.call_one("sync_weights", self.check_prompts()))
         metrics.update(self.step_metrics(batch, timer))
+        metrics.update(self.actor.call_one("memory_metrics"))  # peak device memory by phase
         self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
         self.tables.write_turns(step, turn_rows(batch))
         return metrics

@@ -12,6 +12,10 @@ a KL term or online DPO needs it.
 Weight sync streams the actor's parameters into the engine one decoder layer at a time (each gathered
 from the shards, LoRA merged), so no device holds a second full copy next to the engine's.
 
+With rollout workers of their own (`ray.rollout_devices_per_node`, stages/rl_async.py) the worker builds no engine:
+it trains, and its rank 0 broadcasts the weights to them (`send_weights`, stages/workers/weight_transfer.py).
+Peak device memory of each phase goes into the step's metrics (`memory_metrics`, stages/workers/memory.py).
+
 The worker is a plain class (testable without Ray); stages/workers/group.py runs it as a Ray actor.
 """
 
@@ -41,6 +45,7 @@ from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.cuda_model import unsupported
 from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_loss import actor_loss
+from stages.workers.memory import MemoryPeaks, measured
 from stages.workers.train_engine import (
     TrainEngine,
     all_reduce,
@@ -125,6 +130,7 @@ class ActorRolloutWorker:
         # with rollout workers of their own (ray.rollout_devices_per_node), the trainer generates nothing
         self.engine = None if cfg.ray.rollout_devices_per_node else make_engine(cfg, model_dir)
         self.rank, self.weights = rank, None  # weights: the broadcast group to the rollout workers
+        self.memory = MemoryPeaks(self.device)
         self._held_awake = False
         torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
         # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
@@ -168,6 +174,10 @@ class ActorRolloutWorker:
     def automatic_settings(self) -> dict[str, object]:
         return self.automatic
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak device memory of each phase since the last call, the largest over ranks (a collective)."""
+        return self.memory.metrics()
+
     def _sharded(self, model) -> TokenLogprobs:
         """The model as a sharded TokenLogprobs with the actor's resolved device settings."""
         actor = self.rl.actor
@@ -185,6 +195,7 @@ class ActorRolloutWorker:
         self._held_awake = awake
         self.engine.wake() if awake else self.engine.sleep()
 
+    @measured("gen")
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """This rank's prompts (`prompt_index` counts from 0 within them); the driver offsets the indices."""
         if self._held_awake:
@@ -202,6 +213,7 @@ class ActorRolloutWorker:
     # ---- inference passes ------------------------------------------------------------------------
 
     @torch.no_grad()
+    @measured(lambda batch, role="actor", with_entropy=False: "old_log_prob" if role == "actor" else "ref")
     def compute_logprobs(self, batch: Batch, role: str = "actor", with_entropy: bool = False):
         """(logprobs, entropy) of the batch's responses under the actor or the reference, (B, R) each."""
         model, context = self._role(role)
@@ -240,12 +252,14 @@ class ActorRolloutWorker:
 
     # ---- training ----------------------------------------------------------------------------------
 
+    @measured("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return self.trainer.update(batch, lambda micro, denominators: actor_loss(
             self.actor, micro, denominators, self.cfg, self._inputs))
 
     # ---- weight sync ---------------------------------------------------------------------------------
 
+    @measured("sync")
     def sync_weights(self, check_prompts: list[list[int]]) -> dict[str, float]:
         """Stream the actor's weights into the engine layer by layer, then check the engine on a few greedy
         tokens (every rank checks its own engine; the largest difference is reported and checked)."""
@@ -302,6 +316,7 @@ class ActorRolloutWorker:
         """Names, shapes and dtypes of a push, in its order (every rank iterates: the gathers are collective)."""
         return weight_meta(self._pushed_weights())
 
+    @measured("push")
     def send_weights(self) -> dict[str, float]:
         """Push the actor's weights to the rollout workers (every rank gathers; rank 0 broadcasts)."""
         start = time.perf_counter()

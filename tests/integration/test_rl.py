@@ -29,7 +29,7 @@ RC = "rl.algorithm.rollout_correction."
 VERL_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "perf/throughput",
-                "rollout/logprob_diff_max", "reward/errors", "reward/timeouts"}
+                "rollout/logprob_diff_max", "reward/errors", "reward/timeouts", "perf/cpu_memory_used_gb"}
 
 
 def run(tiny_data_dir, tiny_model_dir, tmp_path, *overrides):

@@ -1,0 +1,68 @@
+"""Peak memory per phase of a worker's step, for the step's metrics (verl's perf/max_memory_* names, by phase).
+
+`MemoryPeaks.phase(name)` brackets one phase: on CUDA it resets the allocator's peak statistics on entry and keeps
+the peak allocated bytes on exit (the largest over repeated calls). `metrics()` is a collective (every rank calls it,
+in the same order): each value is the maximum over ranks, and the peaks start again. On CPU the phases record
+nothing and `perf/cpu_memory_used_gb` is the process's resident memory (the largest over ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+GB = 2**30
+
+
+class MemoryPeaks:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.peaks: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / GB)
+
+    def metrics(self) -> dict[str, float]:
+        values = {f"perf/max_memory_allocated_gb/{k}": v for k, v in sorted(self.peaks.items())}
+        if self.cuda:
+            values["perf/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
+            values["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        values["perf/cpu_memory_used_gb"] = _resident_bytes() / GB
+        self.peaks.clear()
+        if dist.is_initialized() and dist.get_world_size() > 1:  # ranks ran the same phases: same keys
+            reduced = torch.tensor(list(values.values()), dtype=torch.float64)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            values = dict(zip(values, reduced.tolist()))
+        return values
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured(phase):
+    """Method decorator: the call runs inside `self.memory.phase(...)`; `phase` is a name, or a function of the call's
+    arguments giving one."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def inner(self, *args, **kwargs):
+            name = phase(*args, **kwargs) if callable(phase) else phase
+            with self.memory.phase(name):
+                return method(self, *args, **kwargs)
+
+        return inner
+
+    return wrap

@@ -1,0 +1,42 @@
+"""Peak memory per phase (stages/workers/memory.py): phases named by the decorator, metrics on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.workers.memory import MemoryPeaks, measured
+
+
+class Worker:
+    def __init__(self):
+        self.memory = MemoryPeaks(torch.device("cpu"))
+        self.seen = []
+
+    @measured(lambda batch, role="actor": "old_log_prob" if role == "actor" else "ref")
+    def logprobs(self, batch, role="actor"):
+        self.seen.append(role)
+        return len(batch)
+
+    @measured("update_actor")
+    def update(self):
+        raise ValueError("bad batch")
+
+
+def test_the_decorator_names_the_phase_from_the_arguments_and_keeps_results_and_errors(monkeypatch):
+    worker, opened = Worker(), []
+    original = worker.memory.phase
+    monkeypatch.setattr(worker.memory, "phase", lambda name: opened.append(name) or original(name))
+    assert worker.logprobs([1, 2]) == 2 and worker.logprobs([1], role="ref") == 1
+    try:
+        worker.update()
+    except ValueError as exc:
+        assert str(exc) == "bad batch"
+    assert opened == ["old_log_prob", "ref", "update_actor"] and worker.seen == ["actor", "ref"]
+
+
+def test_cpu_metrics_give_the_resident_memory_and_no_device_peaks():
+    memory = MemoryPeaks(torch.device("cpu"))
+    with memory.phase("gen"):
+        block = torch.ones(2**20)  # noqa: F841 - 4 MiB resident while measured
+    metrics = memory.metrics()
+    assert list(metrics) == ["perf/cpu_memory_used_gb"] and 0.01 < metrics["perf/cpu_memory_used_gb"] < 1024
