@@ -30,14 +30,22 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   rope_theta=1_000_000.0, max_position_embeddings=32768, eos_token_id=151645,
                   pad_token_id=151643, bos_token_id=None)
+QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  intermediate_size=8960)
+QWEN25_3B = dict(QWEN25_05B, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                 intermediate_size=11008)
+QWEN25_7B = dict(QWEN25_05B, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "3b": QWEN25_3B, "7b": QWEN25_7B}
 TINY = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=1024, eos_token_id=1000, pad_token_id=1001)
 
 
-def workload_model(quick: bool, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def workload_model(quick: bool, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                   shape: str = "0.5b"):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**(TINY if quick else QWEN25_05B))
+    config = Qwen2Config(**(TINY if quick else SHAPES[shape]))
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

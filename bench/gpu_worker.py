@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="one more step with its update_actor under torch.profiler (profile-NAME-nN.txt)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (after the recipe)")
+    p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "3b", "7b"],
+                   help="Qwen2.5 shape (random weights)")
     p.add_argument("--hazard", type=float, default=1 / 200,
                    help="per-token EOS probability the model is calibrated to (mean response ~1/hazard tokens)")
     args = p.parse_args(argv)
@@ -80,14 +82,14 @@ def reward(response: list[int]) -> float:
     return (len(response) % 7) / 6  # cheap and varied within a group
 
 
-def build_model_dir(quick: bool, device: str, hazard: float = 1 / 200) -> tuple:
+def build_model_dir(quick: bool, device: str, hazard: float = 1 / 200, shape: str = "0.5b") -> tuple:
     """The workload model (EOS calibrated) and a word-level tokenizer, saved as an HF folder (bf16 on GPU):
     (folder, EOS calibration, number of parameters, model config)."""
     import torch
 
     from bench.gpu_common import calibrate_eos, num_params, word_tokenizer, workload_model
 
-    model = workload_model(quick, device, torch.float32)
+    model = workload_model(quick, device, torch.float32, shape=shape)
     info = calibrate_eos(model, hazard=hazard)
     folder = tempfile.mkdtemp(prefix="gpu-worker-model-")
     tokenizer = word_tokenizer(model.config)
@@ -108,7 +110,8 @@ class Bench:
         self.args, self.rank, self.world = args, rank, world
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # every rank builds the same model (same seed) in its own folder: no file system is shared here
-        model_dir, self.eos_info, self.params, self.config = build_model_dir(args.quick, self.device, args.hazard)
+        model_dir, self.eos_info, self.params, self.config = build_model_dir(args.quick, self.device, args.hazard,
+                                                                               args.shape)
         self.cfg = load_config(None, recipe(args, model_dir, world))
         self.mini_rows = self.cfg.rl.actor.ppo_mini_batch_size * self.cfg.rl.rollout.n
         self.worker = ActorRolloutWorker(self.cfg, model_dir, rank, world, os.environ["MASTER_ADDR"],
