@@ -49,6 +49,11 @@ class TrainerConfig(_Section):
     use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead.")
     max_token_len_per_device: int = Field(4096, gt=0, description="Token budget per micro-batch (dynamic).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each step's batch.")
+    offload: bool = Field(
+        False, description="FSDP2 CPU offload (verl's fsdp_config.offload_policy): sharded parameters, gradients and "
+        "optimizer state live in host memory and each layer is gathered to the GPU for its forward and backward; "
+        "the optimizer steps on the CPU. For models whose training state does not fit the GPU (e.g. 7B on one); "
+        "nothing moves on CPU-only machines.")
     reshard_after_forward: bool | None = Field(
         None, description="FSDP2: free each layer's gathered weights after forward and gather them again in backward "
         "(ZeRO-3, least memory), or keep them until backward. None: keep them on one device, or on several when the "

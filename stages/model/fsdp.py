@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.model.policy import hf_parts
 from stages.model.safe_load import (
@@ -73,17 +73,21 @@ def init_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "1
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
 
 
-def shard(module: nn.Module, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
+def shard(module: nn.Module, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+          offload: bool = False) -> nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, norm, head and any value head); gradients
     are summed over ranks (see the module docstring). param_dtype: compute in it (mixed precision: the
     sharded parameters keep their dtype, fp32 master weights for a trained model); reshard_after_forward:
     free each layer's gathered weights after forward (see `rl.actor.reshard_after_forward`; `reshard` frees
-    them after a forward without backward)."""
+    them after a forward without backward); offload: FSDP2's CPU offload (parameters, gradients and optimizer state
+    in host memory; on CUDA only)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     kwargs.update({"mp_policy": policy} if policy else {})
+    if offload and device == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     body, _ = hf_parts(module.lm)
     units = [*body.layers, module]
     for unit in units:
@@ -129,7 +133,11 @@ def iter_hf_weights(module: nn.Module, lora_scale: float | None) -> Iterator[tup
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    if not hasattr(value, "full_tensor"):
+        return value
+    if value.device.type == "cpu" and torch.cuda.is_available():  # offloaded shards: gather them on the GPU (NCCL)
+        value = value.to("cuda")
+    return value.full_tensor()
 
 
 # ---- checkpoints (DCP) ----------------------------------------------------------------------------

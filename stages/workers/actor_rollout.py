@@ -185,7 +185,7 @@ class ActorRolloutWorker:
             compile_layers(model)
         module = TokenLogprobs(model.to(self.device), chunk_tokens=actor.logprob_chunk_tokens,
                                pack=actor.use_remove_padding, compile_head=actor.use_torch_compile)
-        return shard(module, compute_dtype(self.cfg.model), actor.reshard_after_forward)
+        return shard(module, compute_dtype(self.cfg.model), actor.reshard_after_forward, actor.offload)
 
     # ---- rollout -------------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ class CriticWorker:
         value_model = ValueModel(load_model(model_dir, model_cfg)).to(self.device)  # fp32 master weights
         self.critic_cfg = resolve_trainer(cfg.rl.critic, value_model)
         self.automatic = automatic_fields(cfg.rl.critic, self.critic_cfg, "rl.critic")
-        self.model = shard(value_model, compute_dtype(cfg.model), self.critic_cfg.reshard_after_forward)
+        self.model = shard(value_model, compute_dtype(cfg.model), self.critic_cfg.reshard_after_forward,
+                           self.critic_cfg.offload)
         self.trainer = TrainEngine("critic", self.model, self.critic_cfg, cfg.rl.total_steps, local_mini_rows(cfg))
 
     def automatic_settings(self) -> dict[str, object]:

@@ -155,8 +155,9 @@ def gathered_fits(model: torch.nn.Module) -> bool:
 
 def resolve_trainer(cfg: TrainerConfig, model: torch.nn.Module) -> TrainerConfig:
     """The section with its automatic (None) FSDP2 fields decided: `reshard_after_forward` and
-    `grad_sync_every_micro_batch` are False when the gathered model fits (`gathered_fits`), else True."""
-    fits = gathered_fits(model)
+    `grad_sync_every_micro_batch` are False when the gathered model fits (`gathered_fits`) and nothing is offloaded,
+    else True (offload is for models whose state does not fit: keep only one layer gathered)."""
+    fits = gathered_fits(model) and not cfg.offload
     decide = lambda value: not fits if value is None else value  # noqa: E731
     return cfg.model_copy(update={"reshard_after_forward": decide(cfg.reshard_after_forward),
                                   "grad_sync_every_micro_batch": decide(cfg.grad_sync_every_micro_batch)})
