@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -263,7 +263,8 @@ class AsyncSchedule:
         indices = [orders[g // size + 1][g % size] for g in range(first, first + count)]
         step, offset = first // size + 1, first % size
         start = time.perf_counter()
-        batch, metrics = t.generate(indices, f"{step}-{offset}", step * 1000 + offset, _NoTimer())
+        # timed as a whole (async/generate_s), not by a step's timer
+        batch, metrics = t.generate(indices, f"{step}-{offset}", step * 1000 + offset, lambda name: nullcontext())
         generated = time.perf_counter() - start
         if t.rl.algorithm.filter_groups:
             batch = t.varied_groups(batch)
@@ -351,11 +352,3 @@ def ray_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-class _NoTimer:
-    """The producer's chunks are timed as a whole (async/generate_s), not by the step's timer."""
-
-    @contextmanager
-    def __call__(self, name: str):
-        yield

@@ -82,13 +82,13 @@ def _free_port() -> tuple[str, int]:
 class Placement:
     """One bundle per device: {"CPU": 1} (+ {"GPU": 1} when the cluster has GPUs). The trainer's bundles
     (0 .. world_size-1) are shared by `num_roles` colocated roles; with `ray.rollout_devices_per_node`, the
-    rollout workers' bundles follow them (from `rollout_bundle`), one whole bundle each."""
+    rollout workers' bundles follow them (from world_size on), one whole bundle each."""
 
     def __init__(self, cfg: RayConfig, num_roles: int):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        self.world_size, self.rollout_bundle = cfg.num_trainers, cfg.num_trainers
+        self.world_size = cfg.num_trainers
         total = cfg.num_trainers + cfg.num_rollout_workers
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
@@ -133,7 +133,7 @@ class WorkerGroup:
 
         self.name = cls.__name__
         self.world_size = cfg.ray.num_rollout_workers if rollout else placement.world_size
-        first = placement.rollout_bundle if rollout else 0
+        first = placement.world_size if rollout else 0
         addr, port = free_port_on(placement, first)
         remote = ray.remote(**(placement.whole if rollout else placement.share))(cls)
         self.handles = [

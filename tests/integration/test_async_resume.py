@@ -26,24 +26,16 @@ by the rerun, one metrics row per (step, name), the learning rate schedule, comp
 to merge the final checkpoint and evaluate. Checked for power: a rerun whose resume skips that push fails here.
 """
 
-import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from infra.config import load_config
 from infra.sql import query
-from infra.store import ArtifactStore
 from tests.conftest import TINY_OVERRIDES
-from tests.integration.test_multiturn_resume import KILLER, kill, rows
-from tests.integration.test_resume import check_resumed_run, env
+from tests.integration.test_multiturn_resume import check_flow_went_on, killed_run, rerun, rows
+from tests.integration.test_resume import check_resumed_run
 
 pytestmark = pytest.mark.slow
-PROJECT = Path(__file__).resolve().parents[2]
 STEPS, BATCH, N, SAVE_FREQ, KILL_AT, MAX_STALENESS = 5, 4, 4, 2, 4, 1  # killed in step 4: last checkpoint step 2
 SAMPLE = "step, group_id, sample_index"
 LOGPROB_TOL = 1e-4  # |engine - trainer| mean logprob of a sample when both have the same weights
@@ -65,27 +57,9 @@ def overrides(tmp_path) -> list[str]:
     ]
 
 
-def start(tmp_path, log: Path, kill_at: int | None = None) -> subprocess.Popen:
-    """The flow in a new session; `kill_at`: it SIGKILLs its process group after step kill_at's rollouts."""
-    command = ["-c", KILLER.format(step=kill_at)] if kill_at else ["-m", "flows.post_train"]
-    with log.open("w") as out:  # a file, not a pipe: a pipe nobody reads would block the flow when full
-        return subprocess.Popen([sys.executable, *command, *overrides(tmp_path)], cwd=PROJECT, env=env(tmp_path),
-                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def run_to_end(process: subprocess.Popen, timeout: float) -> None:
-    try:
-        process.wait(timeout=timeout)
-    finally:
-        kill(process)  # the first run kills itself; this is for a run that hung
-
-
 def test_sigkill_during_fully_async_rl_then_rerun_resumes(tmp_path):
-    root = str(tmp_path / "store")
-    first = start(tmp_path, tmp_path / "first.log", kill_at=KILL_AT)
-    run_to_end(first, 900)
-    assert first.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-5000:]
-    killed_at = time.time()
+    root, args = str(tmp_path / "store"), overrides(tmp_path)
+    killed_at = killed_run(tmp_path, args, KILL_AT)
 
     # What the killed run left: steps 1 to 3 in every table (1-2 checkpointed), and step 4's rollouts only.
     assert rows(root, "SELECT DISTINCT step FROM metrics ORDER BY 1") == [(s,) for s in range(1, KILL_AT)]
@@ -95,17 +69,8 @@ def test_sigkill_during_fully_async_rl_then_rerun_resumes(tmp_path):
     assert len(kept) == SAVE_FREQ * BATCH * N and {"policy_version", "token_policy_versions"} <= kept[0].keys()
     killed = query(root, "SELECT max(staleness) AS hi FROM rollouts")[0]["hi"]
 
-    second = start(tmp_path, tmp_path / "second.log")
-    run_to_end(second, 900)
-    output = (tmp_path / "second.log").read_text()
-    assert second.returncode == 0, output[-5000:]
-    assert "data-prep cached" in output and "sft cached" in output, output[-3000:]
-    assert "rl completed, merge completed" in output, output[-3000:]
-    run_log = Path(re.search(r"^logs: (\S+/run\.log)", output, re.M).group(1)).read_text()
-    resumed = re.search(r"rl: resumed at step (\d+) from \S+ \((\d+) partial trajectory files removed\)", run_log)
-    assert resumed, run_log[-3000:]
-    # step 3's rollouts and metrics, step 4's rollouts
-    assert (int(resumed.group(1)), int(resumed.group(2))) == (SAVE_FREQ, 3), resumed.group(0)
+    run_log, step, removed = rerun(tmp_path, args)
+    assert (step, removed) == (SAVE_FREQ, 3)  # step 3's rollouts and metrics, step 4's rollouts
     assert "rl: fully_async rollout on 1 rollout workers" in run_log, run_log[-3000:]
 
     # One run, every step once, every sample once per step, every metric once per step.
@@ -129,14 +94,9 @@ def test_sigkill_during_fully_async_rl_then_rerun_resumes(tmp_path):
 
     # As in the synchronous test: the learning rate of an uninterrupted run, each step's prompts, complete
     # artifacts, and the flow goes on from the final checkpoint.
-    cfg = load_config(None, overrides(tmp_path))
     lrs = {r["step"]: r["value"] for r in query(root, "SELECT step, value FROM metrics WHERE name = 'actor/lr'")}
-    check_resumed_run(root, cfg, lrs, STEPS, BATCH)
-    store = ArtifactStore(root)
-    [merged] = store.versions("model", "rl")
-    assert merged.metadata["checkpoint_step"] == STEPS
-    evals = query(root, "SELECT label, engine FROM evals WHERE data_source = 'all' AND metric = 'acc' ORDER BY label")
-    assert [(r["label"], r["engine"]) for r in evals] == [("base", "hf"), ("rl", "hf"), ("sft", "hf")]
+    check_resumed_run(root, load_config(None, args), lrs, STEPS, BATCH)
+    assert {r["engine"] for r in check_flow_went_on(root, STEPS)} == {"hf"}
 
 
 def check_policy_versions(root: str, killed_staleness: int) -> None:

@@ -73,12 +73,20 @@ runpy.run_module("flows.post_train", run_name="__main__", alter_sys=True)
 """
 
 
-def start(tmp_path, log: Path, kill_at: int | None = None) -> subprocess.Popen:
-    """The flow (python -m flows.post_train) in a new session; `kill_at`: SIGKILL it before step kill_at's turns."""
+def start(tmp_path, log: Path, args: list[str], kill_at: int | None = None) -> subprocess.Popen:
+    """The flow (python -m flows.post_train ARGS) in a new session; `kill_at`: SIGKILL it before step kill_at's turns
+    (single-turn steps call write_turns too, with no rows)."""
     command = ["-c", KILLER.format(step=kill_at)] if kill_at else ["-m", "flows.post_train"]
     with log.open("w") as out:  # a file, not a pipe: a pipe nobody reads would block the flow when full
-        return subprocess.Popen([sys.executable, *command, *overrides(tmp_path)], cwd=PROJECT, env=env(tmp_path),
-                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen([sys.executable, *command, *args], cwd=PROJECT, env=env(tmp_path), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_to_end(process: subprocess.Popen, timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        kill(process)  # a killed run kills itself; this is for a run that hung
 
 
 def kill(process: subprocess.Popen) -> None:
@@ -91,15 +99,40 @@ def rows(root: str, sql: str) -> list[tuple]:
     return [tuple(r.values()) for r in query(root, sql)]
 
 
-def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
-    root = str(tmp_path / "store")
-    first = start(tmp_path, tmp_path / "first.log", kill_at=KILL_AT)
-    try:
-        first.wait(timeout=800)
-    finally:
-        kill(first)  # it kills itself; this is for a run that hung
+def killed_run(tmp_path, args: list[str], kill_at: int) -> float:
+    """Run the flow until it kills itself in step `kill_at`; -> the time it was dead by."""
+    first = start(tmp_path, tmp_path / "first.log", args, kill_at=kill_at)
+    run_to_end(first, 900)
     assert first.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-5000:]
-    killed_at = time.time()
+    return time.time()
+
+
+def rerun(tmp_path, args: list[str]) -> tuple[str, int, int]:
+    """The same command again, to its end with data prep and SFT cached; -> (its run.log, the step RL resumed at,
+    the partial trajectory files it removed)."""
+    second = start(tmp_path, tmp_path / "second.log", args)
+    run_to_end(second, 900)
+    output = (tmp_path / "second.log").read_text()
+    assert second.returncode == 0, output[-5000:]
+    assert "data-prep cached" in output and "sft cached" in output, output[-3000:]
+    run_log = Path(re.search(r"^logs: (\S+/run\.log)", output, re.M).group(1)).read_text()
+    resumed = re.search(r"rl: resumed at step (\d+) from \S+ \((\d+) partial trajectory files removed\)", run_log)
+    assert resumed, run_log[-3000:]
+    return run_log, int(resumed.group(1)), int(resumed.group(2))
+
+
+def check_flow_went_on(root: str, steps: int) -> list[dict]:
+    """After RL: the merged model is the final checkpoint's, and base, SFT and RL are evaluated; -> the evals rows."""
+    [merged] = ArtifactStore(root).versions("model", "rl")
+    assert merged.metadata["checkpoint_step"] == steps
+    evals = query(root, "SELECT label, engine FROM evals WHERE data_source = 'all' AND metric = 'acc' ORDER BY label")
+    assert [r["label"] for r in evals] == ["base", "rl", "sft"]
+    return evals
+
+
+def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
+    root, args = str(tmp_path / "store"), overrides(tmp_path)
+    killed_at = killed_run(tmp_path, args, KILL_AT)
 
     # What the killed run left: steps 1 to 3 in every table (1-2 checkpointed), and step 4's rollouts only.
     assert rows(root, "SELECT DISTINCT step FROM turns ORDER BY 1") == [(s,) for s in range(1, KILL_AT)]
@@ -112,19 +145,8 @@ def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
                  f"WHERE step <= {SAVE_FREQ} ORDER BY ALL"}
     kept = {table: rows(root, sql) for table, sql in kept_sql.items()}
 
-    second = start(tmp_path, tmp_path / "second.log")
-    try:
-        second.wait(timeout=900)
-    finally:
-        kill(second)
-    output = (tmp_path / "second.log").read_text()
-    assert second.returncode == 0, output[-5000:]
-    assert "data-prep cached" in output and "sft cached" in output, output[-3000:]
-    run_log = Path(re.search(r"^logs: (\S+/run\.log)", output, re.M).group(1)).read_text()
-    resumed = re.search(r"rl: resumed at step (\d+) from \S+ \((\d+) partial trajectory files removed\)", run_log)
-    assert resumed, run_log[-3000:]
-    # step 3's rollouts, turns and metrics, step 4's rollouts
-    assert (int(resumed.group(1)), int(resumed.group(2))) == (SAVE_FREQ, 4), resumed.group(0)
+    _, step, removed = rerun(tmp_path, args)
+    assert (step, removed) == (SAVE_FREQ, 4)  # step 3's rollouts, turns and metrics, step 4's rollouts
 
     # One run, every step once, every sample once per step, every turn once per sample.
     assert rows(root, "SELECT DISTINCT run_id FROM rollouts") == rows(root, "SELECT DISTINCT run_id FROM turns")
@@ -136,7 +158,25 @@ def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
     assert rows(root, f"SELECT {SAMPLE}, turn, count(*) FROM turns GROUP BY ALL HAVING count(*) > 1") == []
     assert rows(root, "SELECT step, name, count(*) FROM metrics GROUP BY ALL HAVING count(*) > 1") == []
     assert rows(root, "SELECT DISTINCT step FROM metrics ORDER BY 1") == [(s,) for s in range(1, STEPS + 1)]
-    # turns and rollouts describe the same samples (every row is a tool_agent row: each sample has turns)
+    metrics = check_turns_match_rollouts(root)
+
+    # The checkpointed steps are the killed run's rows, untouched; the steps after the checkpoint were redone.
+    assert {table: rows(root, sql) for table, sql in kept_sql.items()} == kept
+    redone = query(root, f"SELECT (SELECT min(time) FROM rollouts WHERE step > {SAVE_FREQ}) AS rollouts, "
+                         f"(SELECT min(epoch(time)) FROM turns WHERE step > {SAVE_FREQ}) AS turns")
+    assert redone[0]["rollouts"] > killed_at and redone[0]["turns"] > killed_at, (redone, killed_at)
+
+    # As in the single-turn test: the learning rate of an uninterrupted run, each step's prompts, complete
+    # artifacts, and the flow goes on from the final checkpoint.
+    check_resumed_run(root, load_config(None, args), {step: metrics[step, "actor/lr"] for step in range(1, STEPS + 1)},
+                      STEPS, BATCH)
+    check_flow_went_on(root, STEPS)
+
+
+def check_turns_match_rollouts(root: str) -> dict[tuple[int, str], float]:
+    """`turns` and `rollouts` describe the same samples, and the step metrics count the same tool calls; -> the
+    metrics tool/calls, num_turns/mean and actor/lr by (step, name)."""
+    # every row is a tool_agent row: each sample has turns
     assert (rows(root, f"SELECT DISTINCT {SAMPLE} FROM turns ORDER BY ALL")
             == rows(root, f"SELECT {SAMPLE} FROM rollouts ORDER BY ALL"))
     # each sample's turns are that sample's, once each: indices 0..k-1, the model first, its turns' texts joined
@@ -168,19 +208,4 @@ def test_sigkill_during_multiturn_rl_then_rerun_resumes(tmp_path):
     for r in calls:
         assert metrics[r["step"], "tool/calls"] == r["calls"], r
         assert metrics[r["step"], "num_turns/mean"] == pytest.approx(r["turns"]), r
-
-    # The checkpointed steps are the killed run's rows, untouched; the steps after the checkpoint were redone.
-    assert {table: rows(root, sql) for table, sql in kept_sql.items()} == kept
-    redone = query(root, f"SELECT (SELECT min(time) FROM rollouts WHERE step > {SAVE_FREQ}) AS rollouts, "
-                         f"(SELECT min(epoch(time)) FROM turns WHERE step > {SAVE_FREQ}) AS turns")
-    assert redone[0]["rollouts"] > killed_at and redone[0]["turns"] > killed_at, (redone, killed_at)
-
-    # As in the single-turn test: the learning rate of an uninterrupted run, each step's prompts, complete
-    # artifacts, and the flow goes on from the final checkpoint.
-    cfg = load_config(None, overrides(tmp_path))
-    check_resumed_run(root, cfg, {step: metrics[step, "actor/lr"] for step in range(1, STEPS + 1)}, STEPS, BATCH)
-    store = ArtifactStore(root)
-    [merged] = store.versions("model", "rl")
-    assert merged.metadata["checkpoint_step"] == STEPS
-    evals = query(root, "SELECT label FROM evals WHERE data_source = 'all' AND metric = 'acc' ORDER BY label")
-    assert [r["label"] for r in evals] == ["base", "rl", "sft"]
+    return metrics
