@@ -112,6 +112,9 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, gt=0)
     intermediate_size: int = Field(512, gt=0)
     vocab_size: int = Field(384, ge=300, description="BPE vocabulary incl. 256 byte tokens and specials.")
+    embedding_rows: int | None = Field(
+        None, gt=0, description="Rows of the embedding and head (null: the tokenizer's size rounded up to 64); "
+        "larger gives a hub model's shape, e.g. 151936 as in Qwen2.5, with rows no token uses.")
     max_position_embeddings: int = Field(512, gt=0)
 
     @model_validator(mode="after")
@@ -120,6 +123,8 @@ class TinyModelConfig(Section):
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        if self.embedding_rows is not None and self.embedding_rows < self.vocab_size:
+            raise ValueError(f"embedding_rows={self.embedding_rows} must be at least vocab_size={self.vocab_size}")
         return self
 
 
@@ -170,9 +175,9 @@ class SFTConfig(Section):
 
 
 class EvaluateConfig(Section):
-    engine: Literal["auto", "vllm", "hf"] = Field(
-        "auto", description="Generation engine, run in a Ray actor: vllm, hf (transformers), or auto (vllm where "
-        "it is installed, else hf)."
+    engine: Literal["auto", "vllm", "cuda", "hf"] = Field(
+        "auto", description="Generation engine, run in a Ray actor: vllm, cuda (ours), hf (transformers), or auto "
+        "(vllm where it is installed, else cuda where the flow sees a GPU, else hf)."
     )
     n: int = Field(1, gt=0, description="Samples per prompt; n > 1 adds mean@n, best@n, maj@n.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when n > 1 (greedy at n=1).")

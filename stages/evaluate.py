@@ -1,10 +1,11 @@
 """Evaluation: generate on a held-out split and score with the training reward functions.
 
-Engines (`evaluate.engine`): `vllm`, `hf` (transformers) or `auto` (the default: vLLM where it is
-installed, else hf). Generation runs in Ray actors (`EvalWorker`, one device each, on the cluster that
-stages/workers/group.py `init_ray` starts or attaches to, so `ray.address` is honoured): the in-process
-vLLM engine creates a torch.distributed group and binds the process's threads, which the Prefect task's
-process must not inherit (a second model evaluated in the same process would find the group taken). With
+Engines (`evaluate.engine`): `vllm`, `cuda` (ours, stages/rollout/cuda_engine.py), `hf` (transformers) or
+`auto` (the default: vLLM where it is installed, else cuda where this process sees a GPU, else hf).
+Generation runs in Ray actors (`EvalWorker`, one device each, on the cluster that stages/workers/group.py
+`init_ray` starts or attaches to, so `ray.address` is honoured): the in-process vLLM engine creates a
+torch.distributed group and binds the process's threads, which the Prefect task's process must not inherit
+(a second model evaluated in the same process would find the group taken). With
 N workers (`ray.num_devices_per_node * ray.num_nodes`) each generates a contiguous share of the prompts.
 
 Metrics, per data_source and over all of them (`all`): greedy `acc`, the share of responses scoring >= 1;
@@ -18,7 +19,7 @@ base, sft, rl), one row per (data_source, metric) in long format, like `metrics`
     model VARCHAR        the evaluated model (artifact ref, local folder or hub id)
     eval VARCHAR         the eval artifact holding metrics.json and samples.jsonl (one row per response)
     dataset VARCHAR      the dataset artifact; split VARCHAR: 'validation'
-    engine VARCHAR       vllm or hf
+    engine VARCHAR       vllm, cuda or hf
     data_source VARCHAR  a data_source of the split, or 'all'
     metric VARCHAR       acc, mean@n, best@n, maj@n
     value DOUBLE         in [0, 1]
@@ -41,9 +42,10 @@ from infra.config import Config
 from stages.agent import Rollout
 from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
 from stages.data_prep import load_prompts
-from stages.model.loading import load_model, load_tokenizer
+from stages.model.loading import load_tokenizer
 from stages.rewards.pool import RewardPool
 from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.local import local_engine
 from stages.validation import group_metrics
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,15 @@ ALL = "all"  # the data_source name of the aggregate over every data_source
 
 
 def resolve_engine(name: str) -> str:
-    """'auto' -> 'vllm' where vLLM is installed, else 'hf'; 'vllm' without vLLM is an error."""
+    """'auto' -> 'vllm' where vLLM is installed, else 'cuda' with a GPU, else 'hf'; 'vllm' without vLLM is an
+    error."""
     has_vllm = find_spec("vllm") is not None
+    fallback = "cuda" if torch.cuda.is_available() else "hf"
     if name == "auto":
-        return "vllm" if has_vllm else "hf"
+        return "vllm" if has_vllm else fallback
     if name == "vllm" and not has_vllm:
-        raise ValueError("evaluate.engine=vllm but vLLM is not installed in this environment; "
-                         "set evaluate.engine=hf (or auto, which picks hf here)")
+        raise ValueError(f"evaluate.engine=vllm but vLLM is not installed in this environment; "
+                         f"set evaluate.engine={fallback} (or auto, which picks {fallback} here)")
     return name
 
 
@@ -93,13 +97,8 @@ def make_engine(cfg: Config, model_dir: str):
         return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed,
                                  max_model_len=cfg.data.max_prompt_length + max_new_tokens(cfg),
                                  gpu_memory_utilization=ev.gpu_memory_utilization)
-    from stages.rollout.hf import HFRolloutEngine
-
-    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    model = load_model(model_dir, cfg.model, trainable=False)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, ev.batch_size)
+    return local_engine(ev.engine, model_dir, cfg.model, max_model_len=cfg.data.max_prompt_length + max_new_tokens(cfg),
+                        max_num_seqs=ev.batch_size, setting="evaluate.engine", hf_batch_size=ev.batch_size)
 
 
 @contextmanager

@@ -60,7 +60,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 
 
 def _model_config(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast):
-    vocab = (len(tokenizer) + 63) // 64 * 64  # round up: friendlier shapes for kernels
+    vocab = max((len(tokenizer) + 63) // 64 * 64, cfg.embedding_rows or 0)  # round up: friendlier kernel shapes
     common = dict(
         vocab_size=vocab,
         hidden_size=cfg.hidden_size,

@@ -59,6 +59,12 @@ def hf_result(model_dir, tiny_data_dir, reward_file):
     return evaluate_model(_config(reward_file, "evaluate.engine=hf"), model_dir, tiny_data_dir / "validation.parquet")
 
 
+@pytest.fixture(scope="module")
+def cuda_result(model_dir, tiny_data_dir, reward_file):
+    """Our engine (on the CPU here, fp32), as evaluate.engine=auto picks it on a GPU machine without vLLM."""
+    return evaluate_model(_config(reward_file, "evaluate.engine=cuda"), model_dir, tiny_data_dir / "validation.parquet")
+
+
 def _greedy(result):
     return [s for s in result.samples if not s["sampled"]]
 
@@ -91,6 +97,12 @@ def test_vllm_and_hf_give_the_same_greedy_responses_and_accuracy(vllm_result, hf
     assert 0.0 < hf_result.acc < 1.0  # the reward is earned sometimes: equal accuracy is not 0 == 0
     # acc is the share of greedy responses scoring >= 1
     assert hf_result.acc == sum(s["score"] >= 1 for s in hf_greedy) / NUM_PROMPTS
+
+
+def test_cuda_engine_gives_hf_greedy_responses(cuda_result, hf_result):
+    assert cuda_result.engine == "cuda"
+    assert [s["response"] for s in _greedy(cuda_result)] == [s["response"] for s in _greedy(hf_result)]
+    assert cuda_result.scores == hf_result.scores
 
 
 def test_sampling_adds_mean_best_maj_per_data_source(vllm_result):

@@ -35,3 +35,11 @@ def test_different_seed_gives_different_weights(tmp_path):
     a = build_tiny_model(spec, TEXTS, seed=0, out_dir=tmp_path / "a")
     b = build_tiny_model(spec, TEXTS, seed=1, out_dir=tmp_path / "b")
     assert not filecmp.cmp(a / "model.safetensors", b / "model.safetensors", shallow=False)
+
+
+def test_embedding_rows_give_a_hub_vocabulary_shape(tmp_path):
+    spec = TinyModelConfig(hidden_size=64, intermediate_size=128, embedding_rows=1000)
+    model = load_model(build_tiny_model(spec, TEXTS, seed=0, out_dir=tmp_path / "a"), load_config(None).model)
+    assert model.get_input_embeddings().weight.shape[0] == 1000
+    with pytest.raises(ValueError, match="embedding_rows=300 must be at least vocab_size=384"):
+        TinyModelConfig(embedding_rows=300)

@@ -1,0 +1,43 @@
+"""The engines that run in this process without vLLM: `cuda` (ours) or `hf` (transformers generate).
+
+Shared by the RL workers (`rl.rollout.engine`) and evaluation (`evaluate.engine`). A model the `cuda`
+engine cannot compute gets the transformers path with one warning, never wrong numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infra.config import ModelConfig
+from stages.model.loading import load_model, load_tokenizer
+from stages.rollout.cuda_model import unsupported
+
+logger = logging.getLogger(__name__)
+
+
+def local_engine(kind: str, model_dir: str, model_cfg: ModelConfig, *, max_model_len: int, max_num_seqs: int,
+                 setting: str, prefix_cache_rows: int = 0, hf_batch_size: int = 64):
+    """`kind` 'cuda' or 'hf'; `setting` names the config field in the fallback warning."""
+    tokenizer = load_tokenizer(model_dir, model_cfg.trust_remote_code)
+    model = load_model(model_dir, model_cfg, trainable=False)
+    on_gpu = torch.cuda.is_available()
+    problem = unsupported(model.config) if kind == "cuda" else None
+    if problem:
+        logger.warning("%s=cuda cannot run this model (%s): generating with transformers (the hf engine) instead",
+                       setting, problem)
+    if kind == "cuda" and not problem:
+        from stages.rollout.cuda_engine import CudaRolloutEngine
+
+        # The engine copies the weights into its own fused layout (the HF model is not kept) and holds a
+        # static KV cache of max_num_seqs rows x max_model_len positions; bf16 on GPU, the model's dtype
+        # (fp32 in the CPU tests) elsewhere.
+        return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len, device="cuda" if on_gpu else "cpu",
+                                 dtype=torch.bfloat16 if on_gpu else None, prefix_cache_rows=prefix_cache_rows)
+    from stages.rollout.hf import HFRolloutEngine
+
+    if on_gpu:
+        model = model.cuda()
+    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, hf_batch_size)
