@@ -1,6 +1,6 @@
 """Rollout throughput on one GPU: the `cuda` engine against transformers' `generate`, same model and prompts.
 
-    python bench/gpu_rollout.py [--out DIR] [--skip-hf] [--variants]     # on the GPU machine
+    python bench/gpu_rollout.py [--out DIR] [--skip-hf] [--variants] [--fp8] [--shape 7b]   # on the GPU machine
     PYTHONPATH=. .venv/bin/python bench/gpu_rollout.py --quick            # CPU smoke test, tiny shapes
 
 Workload: bench/gpu_common.py (Qwen2.5-0.5B shape, random bf16 weights, calibrated EOS), 64 prompts x n=8
@@ -9,6 +9,8 @@ bandwidth; our engine end to end (first call with compilation and graph capture,
 generated tokens / wall seconds, prefill included); one decode step at 256 sequences (graph replays,
 CUDA events) against its byte/FLOP floor; greedy agreement with `generate` and logprob agreement with
 the trainer's TokenLogprobs; transformers `generate` (dynamic cache) on 256 sequences as the baseline.
+`--fp8`: the same engine with `quantization="fp8"` beside it (tokens/s, decode step, logprob gap to the
+bf16 trainer and to fp32).
 Writes gpu-rollout.json under --out (default $OUT) and prints a short table last.
 """
 
@@ -43,6 +45,8 @@ def parse_args():
     p.add_argument("--variants", action="store_true",
                    help="also time the engine with flash attention, with torch sampling, with sdpa and no compile")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fp8", action="store_true", help="also the fp8 engine (rl.rollout.quantization=fp8)")
+    p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "3b", "7b"], help="Qwen2.5 shape")
     p.add_argument("--profile", action="store_true", help="profile eager decode steps at full batch (kernel table)")
     return p.parse_args()
 
@@ -183,7 +187,7 @@ def main() -> None:
     ceilings = measure_ceilings() if device == "cuda" else {"bf16_matmul_tflops": 1.0, "copy_tb_s": 0.01}
     res.add("ceilings", ceilings)
 
-    model = workload_model(args.quick, device, torch.float32 if args.quick else torch.bfloat16)
+    model = workload_model(args.quick, device, torch.float32 if args.quick else torch.bfloat16, shape=args.shape)
     c = model.config
     res.add("workload", {"params": num_params(model), **calibrate_eos(model, hazard=1 / 200)})
     num_prompts, n, max_tokens, concurrency = (6, 4, 32, 8) if args.quick else (64, 8, 512, 256)
@@ -217,6 +221,8 @@ def main() -> None:
     res.attempt("correctness", lambda: res.add("correctness", logprob_gap(
         model, outs, prompts, c.pad_token_id, params.temperature)))
     del engine
+    if args.fp8:
+        res.attempt("fp8", fp8_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo, ceilings)
     if args.variants:
         for label, kwargs in (("flash_attention", {"attention": "flash"}),
                               ("torch_sampling", {"fused_sampling": False}),
@@ -256,6 +262,22 @@ def variant(res, label: str, model, prompts, params, max_model_len: int, concurr
     res.add(f"variant_{label}", {"tok_s": tokens / seconds, "s": seconds})
 
 
+def fp8_engine(res, model, prompts, params, max_model_len: int, concurrency: int, low: int, ceilings: dict) -> None:
+    """The engine with float8 projections: best of two timed calls, the decode step, the logprob gaps."""
+    free_memory()
+    reset_peak()
+    engine = CudaRolloutEngine(model, model.config.eos_token_id, max_num_seqs=concurrency,
+                               max_model_len=max_model_len, quantization="fp8")
+    timed_generate(engine, prompts, params)  # compilation and graph capture
+    runs = [timed_generate(engine, prompts, params) for _ in range(2)]
+    outs, seconds, tokens = min(runs, key=lambda r: r[1] / r[2])
+    res.add("fp8", {"tok_s": tokens / seconds, "s": seconds, "peak_gib": peak_gib(),
+                    **lengths_summary(outs, params.max_tokens)})
+    if torch.cuda.is_available():
+        res.add("fp8", decode_step_seconds(engine, low, max_model_len - 64))
+    res.add("fp8", logprob_gap(model, outs, prompts, model.config.pad_token_id, params.temperature))
+
+
 def summary(res: Results, mean_context: float) -> None:
     d = res.data
     e = d["engine"]
@@ -276,6 +298,14 @@ def summary(res: Results, mean_context: float) -> None:
                  ("  speed-up", ours / d["hf_generate"]["tok_s"], "")]
     for key, value in d.get("correctness", {}).items():
         rows.append((key, value, ""))
+    if "tok_s" in d.get("fp8", {}):
+        f = d["fp8"]
+        rows += [("fp8 engine tok/s (best of 2)", f["tok_s"], f"x{f['tok_s'] / ours:.2f} of bf16"),
+                 ("  fp8 decode step at full batch, ms", f.get("step_ms", "-"), ""),
+                 ("  fp8 logprob gap to bf16 trainer max / mean", f"{f['logprob_engine_vs_trainer_bf16_max']:.3f} / "
+                  f"{f['logprob_engine_vs_trainer_bf16_mean']:.4f}", ""),
+                 ("  fp8 logprob gap to fp32 max / mean",
+                  f"{f['logprob_engine_vs_fp32_max']:.3f} / {f['logprob_engine_vs_fp32_mean']:.4f}", "")]
     for key in [k for k in d if k.startswith("variant_")]:
         rows.append((key + " tok/s", d[key].get("tok_s", d[key].get("error", "?")), ""))
     rows.append(("matmul TFLOP/s | copy TB/s", f"{d['ceilings']['bf16_matmul_tflops']:.0f} | "

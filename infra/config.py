@@ -312,6 +312,9 @@ class Config(Section):
         if self.rl.enabled and tp > 1 and engine != "vllm":
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "
                              "engine runs on one device); set it to 1")
+        if self.rl.enabled and self.rl.rollout.quantization and engine != "cuda":
+            raise ValueError(f"rl.rollout.quantization={self.rl.rollout.quantization} needs rl.rollout.engine=cuda "
+                             f"(the {engine} engine is not quantised here); unset it or use the cuda engine")
         engines = ray.num_rollout_workers or workers
         if self.rl.enabled and engines % tp:
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} must divide the number of generating "

@@ -54,6 +54,10 @@ class TrainerConfig(_Section):
         "optimizer state live in host memory and each layer is gathered to the GPU for its forward and backward; "
         "the optimizer steps on the CPU. For models whose training state does not fit the GPU (e.g. 7B on one); "
         "nothing moves on CPU-only machines.")
+    optimizer_offload: bool = Field(
+        False, description="AdamW's moments (2x the trained parameters in fp32) wait in host memory between "
+        "optimizer steps and come to the device for each step (verl's fsdp_config.optimizer_offload): generation "
+        "and forward/backward run without them; the step itself still holds them (e.g. a 7B model on one H200).")
     reshard_after_forward: bool | None = Field(
         None, description="FSDP2: free each layer's gathered weights after forward and gather them again in backward "
         "(ZeRO-3, least memory), or keep them until backward. None: keep them on one device, or on several when the "
@@ -121,6 +125,12 @@ class RolloutConfig(_Section):
         1, gt=0, description="vllm: GPUs per rollout engine (tensor parallel); the workers form groups of this many "
         "consecutive ranks, each group one engine generating one share of the prompts. Must divide the number of "
         "workers; other engines: 1.")
+    quantization: Literal["fp8"] | None = Field(
+        None, description="cuda: 'fp8' generates with the layers' projections in float8 e4m3 (one scale per output "
+        "channel, quantised at every weight sync; activations per token; Hopper/Ada GPUs), embeddings, norms, "
+        "attention and head in model.dtype (verl's rollout.quantization; verl quantises 128x128 blocks). The "
+        "trainer stays bf16: the sync check's gap grows (raise logprob_check_tol) and rl.algorithm."
+        "rollout_correction absorbs the mismatch. None: model.dtype.")
     temperature: float = Field(1.0, gt=0, description="Training sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1: off.")

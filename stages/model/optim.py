@@ -9,13 +9,76 @@ import torch
 from infra.config import OptimConfig
 
 
-def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimConfig, offload_state: bool = False) -> torch.optim.Optimizer:
+    """AdamW; `offload_state`: its state waits in host memory between steps (`OffloadedAdamW`)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: check model.lora.target_modules")
     fused = True if all(p.is_cuda for p in trainable) else None  # one kernel per step on GPUs; CPU as before
-    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8,
-                             fused=fused)
+    kind = OffloadedAdamW if offload_state else torch.optim.AdamW
+    return kind(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8, fused=fused)
+
+
+class OffloadedAdamW(torch.optim.AdamW):
+    """AdamW whose moments (2x the trained parameters in fp32) live in host memory between steps (verl's
+    `optimizer_offload`): each step copies them to the parameters' device, steps, copies them back and frees
+    the device storage, so generation and forward/backward run without them.
+
+    The state tensors keep their identity (only their storage is emptied and refilled), so FSDP2's DTensor
+    state and checkpointing work as with AdamW; `state_dict` brings the state back first (it stays on the
+    device until the next step ends). Host buffers are pinned where CUDA is available.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), state key) -> host copy
+        self._offloaded = False
+
+    def step(self, closure=None):
+        self._reload()
+        loss = super().step(closure)
+        self._offload()
+        return loss
+
+    def state_dict(self):
+        self._reload()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._reload()
+        super().load_state_dict(state_dict)  # new state tensors on the parameters' devices
+        self._host.clear()
+
+    def _moments(self):
+        """(key, device tensor) for every state tensor worth moving (the scalar step counters stay)."""
+        for param, state in self.state.items():
+            for name, value in state.items():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                if torch.is_tensor(local) and local.numel() > 1:
+                    yield (id(param), name), local
+
+    def _offload(self) -> None:
+        pin = torch.cuda.is_available()
+        moments = list(self._moments())
+        for key, local in moments:
+            host = self._host.get(key)
+            if host is None:
+                host = self._host[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            host.copy_(local, non_blocking=True)
+        if pin:
+            torch.cuda.synchronize()  # the copies read the storage freed next
+        for _, local in moments:
+            local.untyped_storage().resize_(0)
+        self._offloaded = True
+
+    def _reload(self) -> None:
+        if not self._offloaded:
+            return
+        for key, local in self._moments():
+            host = self._host[key]
+            local.untyped_storage().resize_(host.numel() * host.element_size())
+            local.copy_(host, non_blocking=True)
+        self._offloaded = False
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -91,7 +91,9 @@ class CudaRolloutEngine:
 
     model: the HF causal LM whose weights are copied (it is not kept). max_model_len bounds prompt +
     response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows); prefix_cache_rows is
-    the number of finished sequences whose K/V are kept for a continuation (0: off).
+    the number of finished sequences whose K/V are kept for a continuation (0: off). quantization 'fp8':
+    the layers' projections in float8 with per-channel scales, requantised at every `update_weights`
+    (cuda_model.py `linear`; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, *, max_num_seqs: int = 256,
@@ -99,7 +101,7 @@ class CudaRolloutEngine:
                  dtype: torch.dtype | None = None, attention: str = "auto", use_cuda_graphs: bool | None = None,
                  compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
                  release_memory_on_sleep: bool = False, fused_sampling: bool | None = None,
-                 prefix_cache_rows: int = 0):
+                 prefix_cache_rows: int = 0, quantization: str | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
@@ -108,6 +110,7 @@ class CudaRolloutEngine:
             raise ValueError(f"prefix_cache_rows={prefix_cache_rows} must be >= 0 (0: no prefix reuse)")
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
+        _check_quantization(quantization, self.device)
         self.dtype = dtype or param.dtype
         on_cuda = self.device.type == "cuda"
         half = self.dtype in (torch.bfloat16, torch.float16)
@@ -128,7 +131,7 @@ class CudaRolloutEngine:
         body, _ = hf_parts(model)
         kv_len = max_model_len + sync_every  # finished sequences may overrun by sync_every - 1 steps
         self.decoder = Decoder(model.config, body.rotary_emb, self.device, self.dtype, max_num_seqs, kv_len,
-                               attention, on_cuda if compile is None else compile)
+                               attention, on_cuda if compile is None else compile, fp8=quantization == "fp8")
         self.decoder.weights.load(model.state_dict())
         self.sampler = Sampler(self.device, on_cuda if compile is None else compile, fused_sampling)
         self.slots = _Slots(max_num_seqs, kv_len, self.device)
@@ -394,6 +397,14 @@ class CudaRolloutEngine:
             t.copy_(v)
         torch.cuda.set_rng_state(rng, self.device)
         return graph
+
+
+def _check_quantization(quantization: str | None, device: torch.device) -> None:
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization={quantization!r}: use None or 'fp8'")
+    if quantization and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization='fp8' needs float8 matmuls (compute capability 8.9+: Ada, Hopper); this GPU "
+                         f"is {torch.cuda.get_device_name(device)}: leave rl.rollout.quantization unset")
 
 
 def _has_triton() -> bool:

@@ -6,7 +6,10 @@ rotary module, so Llama 3's rope scaling too, grouped-query attention, SwiGLU ML
 transformers model, with the same operation order as transformers so that greedy outputs match:
 
 - weights: per layer one fused qkv projection and one fused gate/up projection; `load` copies HF-named
-  tensors into them in place, so captured CUDA graphs stay valid across weight syncs;
+  tensors into them in place, so captured CUDA graphs stay valid across weight syncs; with `fp8` the four
+  projections of every layer are quantised after each load (float8 e4m3, one scale per output channel,
+  in place) and their bf16 copies emptied until the next load; activations are quantised per token as they
+  come (`linear`); embeddings, norms and the head stay in the engine's dtype;
 - KV cache: (layers, 2, slots, max_len, kv_heads, head_dim), a sequence's tokens at positions 0.. of
   its slot; the engine moves slots around (compaction), this module only reads and writes them;
 - prefill: prompts packed without padding (position ids per prompt), causal attention within each
@@ -35,6 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from stages.model.policy import packed_attention
+
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+PROJECTIONS = ("qkv_w", "o_w", "gate_up", "down")  # the matmul weights `fp8` quantises
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # llama: Llama 2 and 3 (rope scaling comes from HF's rotary)
 
@@ -95,7 +101,7 @@ class DecoderShape:
 class DecoderWeights:
     """The decoder's weights in one dtype on one device; `load` fills them from HF-named tensors in place."""
 
-    def __init__(self, shape: DecoderShape, device: torch.device, dtype: torch.dtype):
+    def __init__(self, shape: DecoderShape, device: torch.device, dtype: torch.dtype, fp8: bool = False):
         s, kw = shape, {"device": device, "dtype": dtype}
         qkv = s.q_size + 2 * s.kv_size
         self.embed = torch.empty(s.vocab, s.hidden, **kw)
@@ -115,6 +121,16 @@ class DecoderWeights:
         self.gate_up = [torch.empty(2 * s.intermediate, s.hidden, **kw) for _ in layers]
         self.down = [torch.empty(s.hidden, s.intermediate, **kw) for _ in layers]
         self.shape = shape
+        # fp8: per projection and layer (weight (O, K) float8, scales (O,) float32), refilled in place by `load`
+        self.fp8 = {name: [(torch.empty(w.shape, device=device, dtype=FP8),
+                            torch.empty(w.shape[0], device=device, dtype=torch.float32)) for w in getattr(self, name)]
+                    for name in PROJECTIONS} if fp8 else None
+
+    def projections(self, i: int) -> tuple:
+        """Layer i's qkv, o, gate/up and down weights as `linear` takes them."""
+        if self.fp8 is not None:
+            return tuple(self.fp8[name][i] for name in PROJECTIONS)
+        return self.qkv_w[i], self.o_w[i], self.gate_up[i], self.down[i]
 
     def targets(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> the view of our weights it is copied into."""
@@ -146,6 +162,8 @@ class DecoderWeights:
     def load(self, state) -> None:
         """Copy HF-named tensors in (any device/dtype): a dict, or (name, tensor) pairs streamed one layer at a
         time (stages/model/fsdp.py `iter_hf_weights`). Every weight must come; unknown names are an error."""
+        if self.fp8 is not None:
+            self._staging(allocated=True)
         targets = self.targets()
         seen: set[str] = set()
         for name, value in state.items() if isinstance(state, dict) else state:
@@ -162,9 +180,43 @@ class DecoderWeights:
         if missing:
             raise ValueError(f"weight sync: {len(missing)} parameters missing, e.g. {missing[:3]}; pass the full "
                              "state dict (the engine's weights are now partly updated)")
+        if self.fp8 is not None:
+            for name in PROJECTIONS:
+                for weight, (quantised, scales) in zip(getattr(self, name), self.fp8[name]):
+                    quantise_rows(weight, quantised, scales)
+            self._staging(allocated=False)
+
+    def _staging(self, allocated: bool) -> None:
+        """fp8: the projections' engine-dtype copies hold memory only while a load fills them."""
+        for name in PROJECTIONS:
+            for weight in getattr(self, name):
+                weight.untyped_storage().resize_(weight.numel() * weight.element_size() if allocated else 0)
 
 
 # ---- pointwise pieces (compiled on CUDA; same operation order as transformers) -------------------------
+
+
+def quantise_rows(weight: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+    """weight (O, K) -> out (O, K) float8 e4m3 and scales (O,) in place: each row's largest |w| maps to 448."""
+    row_scales = weight.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX
+    scales.copy_(row_scales)
+    out.copy_((weight.float() / row_scales[:, None]).to(FP8))
+
+
+def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+    """F.linear; for weight = (float8 (O, K), scales (O,)) the rows of x are quantised to float8 with one scale
+    per token (dynamic) and multiplied in one scaled matmul (`_scaled_mm`, Hopper/Ada) on CUDA, in float32 from
+    the dequantised values elsewhere (the same quantisation error: CPU tests)."""
+    if not isinstance(weight, tuple):
+        return F.linear(x, weight, bias)
+    quantised, scales = weight
+    x_scales = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (N, 1)
+    x8 = (x.float() / x_scales).to(FP8)
+    if x.is_cuda:
+        out = torch._scaled_mm(x8, quantised.t(), scale_a=x_scales, scale_b=scales[None], out_dtype=x.dtype)
+    else:
+        out = ((x8.float() * x_scales) @ (quantised.float() * scales[:, None]).t()).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,7 +236,7 @@ def attn_inputs(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, eps: floa
     """(N, H) hidden -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D); q and k normed per head first when
     the model has q/k norms (Qwen3)."""
     x = rms_norm(h, norm_w, eps)
-    qkv = F.linear(x, qkv_w, qkv_b)
+    qkv = linear(x, qkv_w, qkv_b)
     d = cos.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d)
@@ -196,10 +248,10 @@ def attn_inputs(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, eps: floa
 
 def attn_output_and_mlp(h, attn, o_w, o_b, norm_w, gate_up_w, down_w, eps: float):
     """Residual stream after the attention projection and the SwiGLU MLP: (N, H)."""
-    h = h + F.linear(attn, o_w, o_b)
+    h = h + linear(attn, o_w, o_b)
     x = rms_norm(h, norm_w, eps)
-    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
+    gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, down_w)
 
 
 def final_norm(h, norm_w, eps: float):
@@ -210,7 +262,7 @@ class Decoder:
     """Forward passes of the decoder over the engine's slots. Not an nn.Module: it trains nothing."""
 
     def __init__(self, config, rotary: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_slots: int,
-                 max_len: int, attention: str, compile: bool):
+                 max_len: int, attention: str, compile: bool, fp8: bool = False):
         self.shape = DecoderShape.from_config(config)
         if attention not in ("triton", "flash", "sdpa"):
             raise ValueError(f"attention={attention!r}: use 'triton' or 'flash' (CUDA) or 'sdpa'")
@@ -222,7 +274,7 @@ class Decoder:
             self._triton_attention, self._triton_write = decode_attention, write_kv
         self.device, self.dtype, self.attention = device, dtype, attention
         self.max_slots, self.max_len = max_slots, max_len
-        self.weights = DecoderWeights(self.shape, device, dtype)
+        self.weights = DecoderWeights(self.shape, device, dtype, fp8)
         self.scale = self.shape.head_dim ** -0.5
         with torch.no_grad():
             positions = torch.arange(max_len, device=device)[None]
@@ -269,10 +321,11 @@ class Decoder:
 
     def _layer(self, i: int, h, cos, sin, attend) -> torch.Tensor:
         w, s = self.weights, self.shape
-        q, k, v = self._attn_inputs(h, w.in_norm[i], w.qkv_w[i], w.qkv_b[i], w.q_norm[i], w.k_norm[i], cos, sin,
+        qkv_w, o_w, gate_up, down = w.projections(i)
+        q, k, v = self._attn_inputs(h, w.in_norm[i], qkv_w, w.qkv_b[i], w.q_norm[i], w.k_norm[i], cos, sin,
                                     s.eps, s.num_heads, s.num_kv_heads)
         attn = attend(i, q, k, v).reshape(-1, s.q_size)
-        return self._attn_output_and_mlp(h, attn, w.o_w[i], w.o_b[i], w.post_norm[i], w.gate_up[i], w.down[i], s.eps)
+        return self._attn_output_and_mlp(h, attn, o_w, w.o_b[i], w.post_norm[i], gate_up, down, s.eps)
 
     @torch.no_grad()
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, dst_slot, dst_pos, src_token, last_token,

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def local_engine(kind: str, model_dir: str, model_cfg: ModelConfig, *, max_model_len: int, max_num_seqs: int,
-                 setting: str, prefix_cache_rows: int = 0, hf_batch_size: int = 64):
-    """`kind` 'cuda' or 'hf'; `setting` names the config field in the fallback warning."""
+                 setting: str, prefix_cache_rows: int = 0, hf_batch_size: int = 64, quantization: str | None = None):
+    """`kind` 'cuda' or 'hf'; `setting` names the config field in the fallback warning; `quantization`:
+    the cuda engine's (None or 'fp8')."""
     tokenizer = load_tokenizer(model_dir, model_cfg.trust_remote_code)
     model = load_model(model_dir, model_cfg, trainable=False)
     on_gpu = torch.cuda.is_available()
@@ -35,7 +36,8 @@ def local_engine(kind: str, model_dir: str, model_cfg: ModelConfig, *, max_model
         # (fp32 in the CPU tests) elsewhere.
         return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, device="cuda" if on_gpu else "cpu",
-                                 dtype=torch.bfloat16 if on_gpu else None, prefix_cache_rows=prefix_cache_rows)
+                                 dtype=torch.bfloat16 if on_gpu else None, prefix_cache_rows=prefix_cache_rows,
+                                 quantization=quantization)
     from stages.rollout.hf import HFRolloutEngine
 
     if on_gpu:

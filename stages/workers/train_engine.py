@@ -42,7 +42,7 @@ class TrainEngine:
                  unit_rows: int = 1):
         """`unit_rows`: consecutive rows that must share a micro-batch (2: online DPO's (chosen, rejected) pairs)."""
         self.role, self.model, self.cfg, self.mini_rows, self.unit_rows = role, model, cfg, mini_rows, unit_rows
-        self.optimizer = build_optimizer(model.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(model.parameters(), cfg.optim, cfg.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
 
     def update(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:

@@ -3,6 +3,7 @@
 - The gradient reduced once per mini-batch gives the same update as one reduced after every micro-batch.
 - With `reshard_after_forward` off (the one-device default), inference passes leave no gathered weights
   behind (the rollout engine shares the device with them).
+- `rl.actor.optimizer_offload`: AdamW's moments emptied between steps, the same update.
 - `model.dtype=bfloat16`: the trained weights stay fp32 (optimizer updates of 1e-6 are not lost to bf16
   rounding), the forward computes in bf16, the frozen reference is stored in bf16.
 """
@@ -88,6 +89,19 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir):
     w.update_actor(Batch({**batch.tensors, "old_logprobs": lp, "ref_logprobs": lp}, batch.meta))
     assert {p.dtype for p in w.actor.parameters()} == {torch.float32}
     assert {s["exp_avg"].dtype for s in w.trainer.optimizer.state.values()} == {torch.float32}
+
+
+def test_optimizer_offload_gives_the_same_update(tiny_model_dir):
+    batch = a_batch(vocab(tiny_model_dir))
+    w = worker(tiny_model_dir, "rl.actor.optimizer_offload=true")
+    offloaded = [trained_weights(w, batch) for _ in range(2)][-1]  # the second step reloads the moments
+    moments = [v.to_local() for s in w.trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert moments and all(m.untyped_storage().nbytes() == 0 for m in moments)  # DTensor state: emptied
+    torch.distributed.destroy_process_group()
+    plain = worker(tiny_model_dir)
+    expected = [trained_weights(plain, batch) for _ in range(2)][-1]
+    for name, value in expected.items():
+        assert torch.equal(offloaded[name], value), name
 
 
 @pytest.fixture(autouse=True)
