@@ -308,6 +308,10 @@ class Config(Section):
                 f"rl.algorithm.adv_estimator={self.rl.algorithm.adv_estimator.name} trains on one pair per prompt, and "
                 f"no pair may be split across workers: rl.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} "
                 f"(pairs per mini-batch) must be divisible by the number of workers, {workers}")
+        sp = self.rl.actor.ulysses_sequence_parallel_size
+        if self.rl.enabled and workers % sp:
+            raise ValueError(f"rl.actor.ulysses_sequence_parallel_size={sp} must divide the number of trainer workers, "
+                             f"ray.num_devices_per_node * ray.num_nodes = {workers}: change either")
         tp, engine = self.rl.rollout.tensor_model_parallel_size, self.rl.rollout.engine
         if self.rl.enabled and tp > 1 and engine != "vllm":
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "

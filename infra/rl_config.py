@@ -102,11 +102,24 @@ class ActorConfig(TrainerConfig):
     logprob_chunk_tokens: int | None = Field(
         None, gt=0, description="Tokens per chunk of the vocabulary projection (logits never exist for the whole "
         "micro-batch: chunk x vocab values at a time). None: 8192 with CUDA, 1024 on CPU.")
+    ulysses_sequence_parallel_size: int = Field(
+        1, gt=0, description="Ulysses sequence parallelism of the actor and reference passes (verl's key): groups of "
+        "this many consecutive trainer ranks run each micro-batch together, each rank holding 1/P of its packed "
+        "tokens (and 1/P of the heads in attention), so the data-parallel ranks are ranks / P (micro_batch_size and "
+        "max_token_len_per_device x P are per group). Needs packed rows (use_remove_padding true or null) and must "
+        "divide the number of trainer ranks and the model's attention heads. The critic runs without. 1: off.")
 
     @field_validator("policy_loss", mode="before")
     @classmethod
     def _policy_loss_name(cls, value):
         return as_variant(value, "vanilla")
+
+    @model_validator(mode="after")
+    def _sequence_parallel_packs(self) -> ActorConfig:
+        if self.ulysses_sequence_parallel_size > 1 and self.use_remove_padding is False:
+            raise ValueError(f"rl.actor.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} splits "
+                             "packed rows: set rl.actor.use_remove_padding to true or null (or the size to 1)")
+        return self
 
 
 class CriticConfig(TrainerConfig):
@@ -125,6 +138,10 @@ class RolloutConfig(_Section):
         1, gt=0, description="vllm: GPUs per rollout engine (tensor parallel); the workers form groups of this many "
         "consecutive ranks, each group one engine generating one share of the prompts. Must divide the number of "
         "workers; other engines: 1.")
+    free_cache_engine: bool | None = Field(
+        None, description="cuda: free the engine's KV cache and CUDA graphs while the trainer works and allocate "
+        "and capture them again for the next generation (verl's free_cache_engine; the vllm engine's sleep mode "
+        "always does on GPUs). None: free them when the cache takes >= 20% of the GPU's memory.")
     quantization: Literal["fp8"] | None = Field(
         None, description="cuda: 'fp8' generates with the layers' projections in float8 e4m3 (one scale per output "
         "channel, quantised at every weight sync; activations per token; Hopper/Ada GPUs), embeddings, norms, "

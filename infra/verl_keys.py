@@ -69,7 +69,8 @@ def only(key: str, allowed: tuple, reason: str) -> VerlKey:
 
 A, R, M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 RC = "algorithm.rollout_correction."
-NO_OFFLOAD = "no CPU offload here: the sharded weights, gradients and optimizer state stay on the device"
+NO_PARAM_OFFLOAD = ("parameters are not moved between phases here; fsdp_config.offload_policy (rl.*.offload) keeps "
+                    "them in host memory throughout")
 PER_DEVICE_PASSES = "no-grad log-prob passes use rl.actor.micro_batch_size (or the token budget); speed/memory only"
 
 ROWS = [
@@ -172,11 +173,14 @@ ROWS = [
     only(A + "optim.optimizer", ("AdamW",), "the optimizer is AdamW"),
     same(A + "use_torch_compile", "rl.actor.use_torch_compile"),
     same(A + "fsdp_config.reshard_after_forward", "rl.actor.reshard_after_forward"),
-    only(A + "fsdp_config.param_offload", (False,), NO_OFFLOAD),
-    only(A + "fsdp_config.optimizer_offload", (False,), NO_OFFLOAD),
-    only(A + "fsdp_config.offload_policy", (False,), NO_OFFLOAD),
+    only(A + "fsdp_config.param_offload", (False,), NO_PARAM_OFFLOAD),
+    same(A + "fsdp_config.optimizer_offload", "rl.actor.optimizer_offload", "AdamW's moments in host memory between "
+         "steps"),
+    same(A + "fsdp_config.offload_policy", "rl.actor.offload", "FSDP2's CPU offload: parameters, gradients and "
+         "optimizer state in host memory"),
     only(A + "fsdp_config.fsdp_size", (-1,), "every worker shards the model (no hybrid sharding groups)"),
-    only(A + "ulysses_sequence_parallel_size", (1,), "no sequence parallelism here"),
+    same(A + "ulysses_sequence_parallel_size", "rl.actor.ulysses_sequence_parallel_size",
+         "actor and reference; packed rows only"),
     no_setting(A + "entropy_from_logits_with_chunking", "the log-prob head always works in chunks here "
                "(rl.actor.logprob_chunk_tokens)"),
     no_setting(A + "entropy_checkpointing", "with an entropy bonus the head's chunks are recomputed in backward here"),
@@ -195,6 +199,10 @@ ROWS = [
     same(R + "tensor_model_parallel_size", "rl.rollout.tensor_model_parallel_size", "vllm only"),
     same(R + "enforce_eager", "rl.rollout.enforce_eager"),
     same(R + "max_num_seqs", "rl.rollout.max_num_seqs"),
+    same(R + "free_cache_engine", "rl.rollout.free_cache_engine", "cuda engine; vllm's sleep mode frees its cache on "
+         "GPUs anyway"),
+    same(R + "quantization", "rl.rollout.quantization", "fp8 with the cuda engine: one scale per output channel (verl: "
+         "128x128 blocks)"),
     same(R + "prompt_length", "data.max_prompt_length", "one prompt length for data and rollouts"),
     same(R + "response_length", "data.max_response_length", "one response length for data and rollouts"),
     no_setting(R + "log_prob_micro_batch_size_per_gpu", PER_DEVICE_PASSES),
@@ -245,8 +253,9 @@ ROWS = [
     no_setting("critic.model.use_remove_padding", "the critic's rows are padded here; speed only"),
     only("critic.model.enable_gradient_checkpointing", (False,), "the critic does not recompute activations here"),
     only("critic.model.lora_rank", (0,), "the critic trains all its parameters here"),
-    only("critic.model.fsdp_config.param_offload", (False,), NO_OFFLOAD),
-    only("critic.model.fsdp_config.optimizer_offload", (False,), NO_OFFLOAD),
+    only("critic.model.fsdp_config.param_offload", (False,), NO_PARAM_OFFLOAD),
+    same("critic.model.fsdp_config.offload_policy", "rl.critic.offload"),
+    same("critic.model.fsdp_config.optimizer_offload", "rl.critic.optimizer_offload"),
     via("trainer.critic_warmup", "rl.critic.warmup_steps_before_actor", c.critic_warmup,
         "k - 1: verl's actor first trains at step k (steps count from 1), ours after this many critic-only steps"),
     # ---- reward

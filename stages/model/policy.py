@@ -18,14 +18,21 @@ Packing (`pack=True`): the padded rows are packed into one row without padding b
 reached through a transformers attention implementation registered here), and the outputs are put back
 into the (B, R) layout, zeros at padding. Same inputs and outputs as the padded path; no pad token is
 computed.
+
+Sequence parallelism (`sequence_parallel`, packed rows only): the ranks of a Ulysses group each run a slice of
+the packed row and exchange heads around attention (stages/model/sequence_parallel.py); every rank of the group
+returns the micro-batch's whole (B, R) outputs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from stages.model.sequence_parallel import gather_outputs, split_packed, ulysses_attention
 
 PACKED_ATTENTION = "packed_sdpa"  # transformers attention implementation: sdpa, or varlen when packed
 
@@ -146,15 +153,19 @@ class TokenLogprobs(nn.Module):
 
     pack: run the model on the rows packed without padding (see the module docstring); compile_head:
     compile the chunked vocabulary projection; checkpoint_head=False: keep its activations for backward
-    (see `chunked_logprobs`).
+    (see `chunked_logprobs`); sequence_parallel: the Ulysses group this rank computes packed rows with (None:
+    each rank alone).
     """
 
     def __init__(self, lm: nn.Module, chunk_tokens: int = 1024, pack: bool = False, compile_head: bool = False,
-                 checkpoint_head: bool = True):
+                 checkpoint_head: bool = True, sequence_parallel: dist.ProcessGroup | None = None):
         super().__init__()
+        if sequence_parallel is not None and not pack:
+            raise ValueError("sequence parallelism runs on packed rows: TokenLogprobs(pack=True)")
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.pack = pack
+        self.sequence_parallel = sequence_parallel
         self.head = {"compile_head": compile_head, "checkpoint_head": checkpoint_head}
         if pack:
             use_packed_attention(lm)
@@ -162,12 +173,15 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, num_response_tokens: int, temperature: float = 1.0,
                 with_entropy: bool = False, entropy_grad: bool = True, packed: dict | None = None):
         """`packed`: `pack_rows` of these rows, computed where the batch is (on the host: reading lengths
-        from device tensors would make the host wait for the device)."""
+        from device tensors would make the host wait for the device), with `sequence_parallel_rows`' entry for
+        this rank's slice; a packed dict without that entry runs the whole row on this rank. None: computed here
+        (split over the group when there is one)."""
         body, lm_head = hf_parts(self.lm)
         r = num_response_tokens
         head = {**self.head, "entropy_grad": entropy_grad}
         if self.pack:
-            packed = pack_rows(input_ids, attention_mask, r) if packed is None else packed
+            if packed is None:
+                packed = sequence_parallel_rows(pack_rows(input_ids, attention_mask, r), self.sequence_parallel)
             return self._packed(body, lm_head, packed, temperature, with_entropy, head)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state  # (B, L, H)
@@ -177,22 +191,37 @@ class TokenLogprobs(nn.Module):
                                 **head)
 
     def _packed(self, body, lm_head, packed: dict, temperature: float, with_entropy: bool, head: dict):
-        cu, longest = packed["cu_seqlens"], packed["max_seqlen"]
+        split = packed.get("sequence_parallel")  # this rank's slice of the row, or None: the whole row
+        part, group = (packed, None) if split is None else (split, self.sequence_parallel)
+        assert split is None or group is not None, "a row split for sequence parallelism needs the group"
+        cu, longest = part["cu_seqlens"], part["max_seqlen"]
         # transformers passes a prepared (4D) mask through as is, so it neither builds one nor looks for packed
         # sequences in the position ids (a host sync per forward); the packed attention ignores it
         no_mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=cu.device)
-        hidden = body(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
+        extra = {} if group is None else {"sequence_parallel": group}  # reaches _hf_packed_attention
+        hidden = body(input_ids=part["input_ids"][None], position_ids=part["position_ids"][None],
                       attention_mask=no_mask, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                      max_length_q=longest, max_length_k=longest).last_hidden_state[0]  # (T, H)
-        lp, ent = chunked_logprobs(hidden[packed["predicting"]][None], lm_head.weight, packed["targets"][None],
+                      max_length_q=longest, max_length_k=longest, **extra).last_hidden_state[0]  # (T or T/P, H)
+        lp, ent = chunked_logprobs(hidden[part["predicting"]][None], lm_head.weight, part["targets"][None],
                                    temperature, with_entropy, self.chunk_tokens, **head)
+        lp, ent = lp[0], ent[0]  # (K,), or (W,) of this rank's slice
+        if group is not None:
+            lp, ent = gather_outputs(lp, ent, split["gather_index"], group)  # (K,)
         shape, where = packed["response_mask"].shape, packed["response_index"]  # scatter: no host sync
-        out_lp = lp.new_zeros(shape.numel()).scatter(0, where, lp[0]).view(shape)
-        out_ent = ent.new_zeros(shape.numel()).scatter(0, where, ent[0]).view(shape)
+        out_lp = lp.new_zeros(shape.numel()).scatter(0, where, lp).view(shape)
+        out_ent = ent.new_zeros(shape.numel()).scatter(0, where, ent).view(shape)
         return out_lp, out_ent
 
 
 # ---- packing ---------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_rows(packed: dict, group: dist.ProcessGroup | None) -> dict:
+    """`packed` (`pack_rows`) with this rank's slice of the row under "sequence_parallel" (`split_packed`) when
+    there is a group; as given otherwise."""
+    if group is None:
+        return packed
+    return {**packed, "sequence_parallel": split_packed(packed, dist.get_rank(group), dist.get_world_size(group))}
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_response_tokens: int) -> dict:
@@ -300,8 +329,12 @@ def _hf_packed_attention(module, query, key, value, attention_mask, dropout: flo
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
-    out = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, kwargs["max_length_q"], scaling)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, heads, D); T/P with SP
+    group = kwargs.get("sequence_parallel")
+    if group is None:
+        out = packed_attention(q, k, v, cu, kwargs["max_length_q"], scaling)
+    else:
+        out = ulysses_attention(packed_attention, q, k, v, cu, kwargs["max_length_q"], scaling, group)
     return out[None], None  # (1, T, heads, D)
 
 

@@ -94,13 +94,15 @@ class CudaRolloutEngine:
     the number of finished sequences whose K/V are kept for a continuation (0: off). quantization 'fp8':
     the layers' projections in float8 with per-channel scales, requantised at every `update_weights`
     (cuda_model.py `linear`; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
+    release_memory_on_sleep: `sleep` frees the KV cache and the CUDA graphs (captured again as generation
+    meets each batch size after `wake`); None: when the cache takes >= `FREE_CACHE_SHARE` of the GPU.
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, *, max_num_seqs: int = 256,
                  max_model_len: int = 1024, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, attention: str = "auto", use_cuda_graphs: bool | None = None,
                  compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
-                 release_memory_on_sleep: bool = False, fused_sampling: bool | None = None,
+                 release_memory_on_sleep: bool | None = False, fused_sampling: bool | None = None,
                  prefix_cache_rows: int = 0, quantization: str | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
@@ -127,12 +129,13 @@ class CudaRolloutEngine:
         self.eos_token_id = eos_token_id
         self.max_num_seqs, self.max_model_len, self.sync_every = max_num_seqs, max_model_len, sync_every
         self.max_prefill_tokens = max_prefill_tokens
-        self.release_memory_on_sleep = release_memory_on_sleep
         body, _ = hf_parts(model)
         kv_len = max_model_len + sync_every  # finished sequences may overrun by sync_every - 1 steps
         self.decoder = Decoder(model.config, body.rotary_emb, self.device, self.dtype, max_num_seqs, kv_len,
                                attention, on_cuda if compile is None else compile, fp8=quantization == "fp8")
         self.decoder.weights.load(model.state_dict())
+        self.release_memory_on_sleep = (_large_cache(self.decoder.kv_bytes(), self.device)
+                                        if release_memory_on_sleep is None else release_memory_on_sleep)
         self.sampler = Sampler(self.device, on_cuda if compile is None else compile, fused_sampling)
         self.slots = _Slots(max_num_seqs, kv_len, self.device)
         self.buckets = batch_buckets(max_num_seqs)
@@ -154,6 +157,7 @@ class CudaRolloutEngine:
     def sleep(self) -> None:
         if self.release_memory_on_sleep:
             self._graphs.clear()
+            self._pool = None  # the graphs held the pool: capturing into its stale handle trips the allocator
             self.decoder.free_cache()
             if self.prefix is not None:
                 self.prefix.clear()
@@ -397,6 +401,18 @@ class CudaRolloutEngine:
             t.copy_(v)
         torch.cuda.set_rng_state(rng, self.device)
         return graph
+
+
+FREE_CACHE_SHARE = 0.2  # release_memory_on_sleep=None frees caches at least this share of the GPU's memory
+
+
+def _large_cache(kv_bytes: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    large = kv_bytes >= FREE_CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory
+    logger.info("cuda engine: KV cache %.1f GiB: %s it while the trainer works", kv_bytes / 2**30,
+                "freeing" if large else "keeping")
+    return large
 
 
 def _check_quantization(quantization: str | None, device: torch.device) -> None:

@@ -16,6 +16,10 @@ With rollout workers of their own (`ray.rollout_devices_per_node`, stages/rl_asy
 it trains, and its rank 0 broadcasts the weights to them (`send_weights`, stages/workers/weight_transfer.py).
 Peak device memory of each phase goes into the step's metrics (`memory_metrics`, stages/workers/memory.py).
 
+With `rl.actor.ulysses_sequence_parallel_size` P > 1, groups of P consecutive ranks run the actor's and the
+reference's micro-batches together (Ulysses sequence parallelism, stages/model/sequence_parallel.py): the ranks of
+a group get the same rows, each packs them and runs 1/P of the packed row, and each returns the same results.
+
 The worker is a plain class (testable without Ray); stages/workers/group.py runs it as a Ray actor.
 """
 
@@ -39,10 +43,17 @@ from stages.model.fsdp import (
     reshard,
     shard,
 )
-from stages.model.loading import compute_dtype, load_model, load_tokenizer
-from stages.model.policy import TokenLogprobs, compile_layers, pack_rows, packing_unsupported
+from stages.model.loading import compute_dtype, load_model
+from stages.model.policy import (
+    TokenLogprobs,
+    compile_layers,
+    pack_rows,
+    packing_unsupported,
+    sequence_parallel_rows,
+)
+from stages.model.sequence_parallel import check_heads, sequence_parallel_group
 from stages.rollout.base import RolloutOutput, SamplingParams
-from stages.rollout.cuda_model import unsupported
+from stages.rollout.local import local_engine
 from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_loss import actor_loss
 from stages.workers.memory import MemoryPeaks, measured
@@ -65,10 +76,10 @@ class StaleEngineError(RuntimeError):
 
 def make_engine(cfg: Config, model_dir: str):
     rollout = cfg.rl.rollout
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if rollout.engine == "vllm":
         from stages.rollout.vllm_engine import VLLMRolloutEngine
 
-        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         return VLLMRolloutEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
                                  enforce_eager=rollout.enforce_eager,
                                  gpu_memory_utilization=rollout.gpu_memory_utilization,
@@ -77,28 +88,9 @@ def make_engine(cfg: Config, model_dir: str):
                                  tensor_parallel_size=rollout.tensor_model_parallel_size)
     if rollout.engine not in ("hf", "cuda"):
         raise ValueError(f"rl.rollout.engine={rollout.engine!r} is not an engine: set it to vllm, hf or cuda")
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, cfg.model, trainable=False)
-    on_gpu = torch.cuda.is_available()
-    problem = unsupported(model.config) if rollout.engine == "cuda" else None
-    if problem:  # never wrong numbers: the transformers path computes any model it loads
-        logger.warning("rl.rollout.engine=cuda cannot run this model (%s): generating with transformers (the hf "
-                       "engine) instead", problem)
-    if rollout.engine == "cuda" and not problem:
-        from stages.rollout.cuda_engine import CudaRolloutEngine
-
-        # The engine copies the weights into its own fused layout (the HF model is not kept) and holds a
-        # static KV cache of rl.rollout.max_num_seqs rows x (prompt + response) positions; bf16 on GPU, the
-        # model's dtype (fp32 in the CPU tests) elsewhere.
-        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        return CudaRolloutEngine(model, tokenizer.eos_token_id, max_num_seqs=rollout.max_num_seqs,
-                                 max_model_len=max_len, device="cuda" if on_gpu else "cpu",
-                                 dtype=torch.bfloat16 if on_gpu else None, prefix_cache_rows=prefix_cache_rows(cfg))
-    from stages.rollout.hf import HFRolloutEngine
-
-    if on_gpu:
-        model = model.cuda()
-    return HFRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    return local_engine(rollout.engine, model_dir, cfg.model, max_model_len=max_len, max_num_seqs=rollout.max_num_seqs,
+                        setting="rl.rollout.engine", prefix_cache_rows=prefix_cache_rows(cfg),
+                        quantization=rollout.quantization, free_cache=rollout.free_cache_engine)
 
 
 def prefix_cache_rows(cfg: Config) -> int:
@@ -129,6 +121,8 @@ class ActorRolloutWorker:
         init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
         # with rollout workers of their own (ray.rollout_devices_per_node), the trainer generates nothing
         self.engine = None if cfg.ray.rollout_devices_per_node else make_engine(cfg, model_dir)
+        sp = self.sequence_parallel_size(cfg)
+        self.sp_group = sequence_parallel_group(sp)  # after vLLM's groups: every rank creates groups in one order
         self.rank, self.weights = rank, None  # weights: the broadcast group to the rollout workers
         self.memory = MemoryPeaks(self.device)
         self._held_awake = False
@@ -137,31 +131,40 @@ class ActorRolloutWorker:
         model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing,
                                                  "dtype": "float32"})
         model = load_model(model_dir, model_cfg)
+        check_heads(model.config, sp)
         self._resolve(cfg, model)
         self.actor = self._sharded(model)
         self.ref = None
         if self.rl.uses_reference and cfg.model.lora is None:  # frozen: stored in model.dtype
             self.ref = self._sharded(load_model(model_dir, cfg.model, trainable=False))
         pair_rows = 2 if self.rl.algorithm.adv_estimator.pairwise else 1  # online DPO: a pair in one micro-batch
-        self.trainer = TrainEngine("actor", self.actor, self.rl.actor, self.rl.total_steps, local_mini_rows(cfg),
-                                   pair_rows)
+        self.trainer = TrainEngine("actor", self.actor, self.rl.actor, self.rl.total_steps,
+                                   local_mini_rows(cfg, sp), pair_rows, sp)
         lora = cfg.model.lora
         self.lora_scale = lora.alpha / lora.rank if lora else None
         torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)
+
+    @classmethod
+    def sequence_parallel_size(cls, cfg: Config) -> int:
+        """Consecutive ranks that get the same rows (WorkerGroup's dispatch): a Ulysses group."""
+        return cfg.rl.actor.ulysses_sequence_parallel_size
 
     def _resolve(self, cfg: Config, model) -> None:
         """Decide the actor's automatic (None) settings once, for this device and model; `automatic` lists them
         (with the rollout's prefix_cache_rows) for the driver to log and record."""
         given, cuda = cfg.rl.actor, self.device.type == "cuda"
-        problem = packing_unsupported(model.config)
+        problem, sp = packing_unsupported(model.config), given.ulysses_sequence_parallel_size
         if problem and given.use_remove_padding:
             raise ValueError(f"rl.actor.use_remove_padding=true: packed rows cannot compute this model ({problem}); "
                              "set it to false or leave it null")
+        if problem and sp > 1:
+            raise ValueError(f"rl.actor.ulysses_sequence_parallel_size={sp} splits packed rows, which cannot compute "
+                             f"this model ({problem}): set it to 1")
         if problem and cuda and given.use_remove_padding is None:
             logger.warning("rl.actor.use_remove_padding: off, packed rows cannot compute this model (%s): the actor "
                            "and reference run on padded rows", problem)
         actor = resolve_trainer(given, model).model_copy(update={
-            "use_remove_padding": (cuda and not problem) if given.use_remove_padding is None
+            "use_remove_padding": ((cuda or sp > 1) and not problem) if given.use_remove_padding is None
             else given.use_remove_padding,
             "use_torch_compile": cuda if given.use_torch_compile is None else given.use_torch_compile,
             "logprob_chunk_tokens": given.logprob_chunk_tokens or (8192 if cuda else 1024)})
@@ -184,7 +187,8 @@ class ActorRolloutWorker:
         if actor.use_torch_compile:
             compile_layers(model)
         module = TokenLogprobs(model.to(self.device), chunk_tokens=actor.logprob_chunk_tokens,
-                               pack=actor.use_remove_padding, compile_head=actor.use_torch_compile)
+                               pack=actor.use_remove_padding, compile_head=actor.use_torch_compile,
+                               sequence_parallel=self.sp_group)
         return shard(module, compute_dtype(self.cfg.model), actor.reshard_after_forward, actor.offload)
 
     # ---- rollout -------------------------------------------------------------------------------
@@ -220,8 +224,9 @@ class ActorRolloutWorker:
         model.eval()
         num_rows, width = len(batch), batch.num_response_tokens
         logprobs, entropy = torch.zeros(num_rows, width), torch.zeros(num_rows, width)
+        sp = self.trainer.sequence_parallel_size
         with context:
-            for rows in micro_batches(batch, self.rl.actor):
+            for rows in micro_batches(batch, self.rl.actor, sequence_parallel_size=sp):
                 lp, ent = model(**self._inputs(batch.select(rows)), temperature=self.rl.rollout.temperature,
                                 with_entropy=with_entropy)
                 logprobs[rows], entropy[rows] = lp.float().cpu(), ent.float().cpu()
@@ -239,14 +244,15 @@ class ActorRolloutWorker:
             return self.actor, self.actor.lm.disable_adapter()
         raise ValueError("no reference model: set rl.actor.use_kl_loss or rl.algorithm.use_kl_in_reward")
 
-    def _inputs(self, values: Batch | dict) -> dict:
+    def _inputs(self, values: Batch | dict, split: bool = True) -> dict:
         """Tensors moved to this worker's device; a Batch gives its model inputs, packed on the host when the
-        models pack (see `to_device`: the host never waits for the device here)."""
+        models pack, and split over this rank's Ulysses group unless `split` is False (every rank then runs its own
+        rows alone; see `to_device`: the host never waits for the device here)."""
         if isinstance(values, Batch):
             inputs = values.model_inputs()
             if self.actor.pack:
-                inputs["packed"] = pack_rows(inputs["input_ids"], inputs["attention_mask"],
-                                             inputs["num_response_tokens"])
+                packed = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["num_response_tokens"])
+                inputs["packed"] = sequence_parallel_rows(packed, self.sp_group if split else None)
             values = inputs
         return to_device(values, self.device)
 
@@ -285,8 +291,8 @@ class ActorRolloutWorker:
         batch = build_batch([prompts[o.prompt_index] for o in outs], [o.response_ids for o in outs],
                             [o.logprobs for o in outs], pad_token_id=0)
         self.actor.eval()
-        with torch.no_grad():
-            lp, _ = self.actor(**self._inputs(batch), temperature=1.0)
+        with torch.no_grad():  # not split: the ranks of a Ulysses group check rows of their own engines
+            lp, _ = self.actor(**self._inputs(batch, split=False), temperature=1.0)
         reshard(self.actor)
         mask = batch.response_mask
         local = ((lp.cpu() - batch.tensors["rollout_logprobs"]).abs() * mask).max()

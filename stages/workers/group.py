@@ -9,7 +9,9 @@ rendezvous address is rank 0's node and a free port there).
 
 The driver (the RL loop, inside the Prefect task) holds no model. `call` runs a method on every rank with
 the same arguments, `call_each` with per-rank arguments; `map_rows` splits a Batch across the ranks (see
-stages/batch.py `rank_rows`) and puts the per-row results back in the batch's order.
+stages/batch.py `rank_rows`) and puts the per-row results back in the batch's order. A role whose class names a
+`sequence_parallel_size` P (the actor's Ulysses groups) is split over its N / P data-parallel ranks instead: the P
+consecutive ranks of a group get the same rows, and the group's first rank's results come back.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class WorkerGroup:
 
         self.name = cls.__name__
         self.world_size = cfg.ray.num_rollout_workers if rollout else placement.world_size
+        self.sequence_parallel_size = cls.sequence_parallel_size(cfg) if hasattr(cls, "sequence_parallel_size") else 1
         first = placement.world_size if rollout else 0
         addr, port = free_port_on(placement, first)
         remote = ray.remote(**(placement.whole if rollout else placement.share))(cls)
@@ -155,18 +158,25 @@ class WorkerGroup:
         return self.get_all([getattr(h, method).remote(*args) for h, args in zip(self.handles, per_rank_args)])
 
     def map_rows(self, method: str, batch: Batch, mini_rows: int, *args):
-        """Rank r computes on its rows (`rank_rows`); per-row tensor results (or tuples of them) are gathered
-        back into the batch's row order."""
-        shards = rank_rows(len(batch), self.world_size, mini_rows)
-        results = self.call_each(method, [(batch.select(rows), *args) for rows in shards])
+        """Data-parallel rank d computes on its rows (`rank_rows`); per-row tensor results (or tuples of them) are
+        gathered back into the batch's row order."""
+        shards = rank_rows(len(batch), self.world_size // self.sequence_parallel_size, mini_rows)
+        results = self._split(method, batch, shards, args)[:: self.sequence_parallel_size]  # one per group
         if isinstance(results[0], tuple):
             return tuple(gather_rows([r[i] for r in results], shards) for i in range(len(results[0])))
         return gather_rows(results, shards)
 
     def split_call(self, method: str, batch: Batch, mini_rows: int, *args):
-        """Rank r trains on its rows of each mini-batch; rank 0's (globally reduced) metrics come back."""
-        shards = rank_rows(len(batch), self.world_size, mini_rows)
-        return self.call_each(method, [(batch.select(rows), *args) for rows in shards])[0]
+        """Data-parallel rank d trains on its rows of each mini-batch; rank 0's (globally reduced) metrics come
+        back."""
+        shards = rank_rows(len(batch), self.world_size // self.sequence_parallel_size, mini_rows)
+        return self._split(method, batch, shards, args)[0]
+
+    def _split(self, method: str, batch: Batch, shards: list[list[int]], args: tuple) -> list:
+        """`method(rows, *args)` on every rank, the ranks of a sequence-parallel group with their group's rows."""
+        parts = [batch.select(rows) for rows in shards]
+        return self.call_each(method, [(parts[rank // self.sequence_parallel_size], *args)
+                                       for rank in range(self.world_size)])
 
     @staticmethod
     def get_all(refs: list) -> list:

@@ -9,7 +9,10 @@ split into micro-batches or ranks. Each role reports the same loop metrics: `<ro
 
 With N ranks, each holds its share of every mini-batch (stages/batch.py `rank_rows`); the ranks agree on
 the number of micro-batches (FSDP runs collectives in every forward, so all ranks must run as many), and
-metrics are reduced over ranks, so rank 0 reports the global values.
+metrics are reduced over ranks, so rank 0 reports the global values. Under Ulysses sequence parallelism
+(`sequence_parallel_size` P > 1, stages/model/sequence_parallel.py) the P ranks of a group hold the same rows and
+compute the same loss: the data-parallel ranks are N / P, and the global counts and the loss metric count each
+row once (the token-weighted metric means are unchanged by the P equal copies).
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ class TrainEngine:
     """A trained model's optimizer, LR schedule and update loop (`update`), and its checkpoint state."""
 
     def __init__(self, role: str, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int, mini_rows: int,
-                 unit_rows: int = 1):
-        """`unit_rows`: consecutive rows that must share a micro-batch (2: online DPO's (chosen, rejected) pairs)."""
+                 unit_rows: int = 1, sequence_parallel_size: int = 1):
+        """`unit_rows`: consecutive rows that must share a micro-batch (2: online DPO's (chosen, rejected) pairs);
+        `sequence_parallel_size`: ranks that hold the same rows (a Ulysses group)."""
         self.role, self.model, self.cfg, self.mini_rows, self.unit_rows = role, model, cfg, mini_rows, unit_rows
+        self.sequence_parallel_size = sequence_parallel_size
         self.optimizer = build_optimizer(model.parameters(), cfg.optim, cfg.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
 
@@ -62,16 +67,17 @@ class TrainEngine:
 
     def _step(self, mini: Batch, loss_fn: LossFn, means: MetricMeans) -> torch.Tensor:
         """Accumulate the mini-batch's micro-batch gradients, clip, step; -> 1.0 if the step was skipped."""
-        denominators = global_denominators(mini.response_mask)
+        sp = self.sequence_parallel_size
+        denominators = global_denominators(mini.response_mask, sp)
         mini_loss = 0.0
-        for rows in accumulate(self.model, micro_batches(mini, self.cfg, self.unit_rows), self.cfg):
+        for rows in accumulate(self.model, micro_batches(mini, self.cfg, self.unit_rows, sp), self.cfg):
             micro = mini.select(rows)
             loss, metrics = loss_fn(micro, denominators)
             loss.backward()
             mini_loss = mini_loss + loss.detach()
             means.add(metrics, weight=float(micro.response_mask.sum()))
         norm, found_inf = clipped_step(self.model, self.optimizer, self.cfg.optim.grad_clip)
-        means.add({f"{self.role}/grad_norm": norm, f"{self.role}/loss": all_reduce(mini_loss)})
+        means.add({f"{self.role}/grad_norm": norm, f"{self.role}/loss": all_reduce(mini_loss) / sp})
         return found_inf
 
     def save(self, path: Path) -> None:
@@ -81,17 +87,19 @@ class TrainEngine:
         load_train_state(path, self.model, self.optimizer, self.scheduler)
 
 
-def micro_batches(batch: Batch, cfg: TrainerConfig, unit_rows: int = 1) -> list[list[int]]:
+def micro_batches(batch: Batch, cfg: TrainerConfig, unit_rows: int = 1, sequence_parallel_size: int = 1
+                  ) -> list[list[int]]:
     """Row groups: `micro_batch_size` rows each, or (dynamic, verl's use_dynamic_bsz) as many groups as a
     budget of `max_token_len_per_device` tokens each needs, balanced in tokens (so no group is a small
     remainder; each stays within about one sequence of the budget); as many groups on every rank (the
     largest count any rank needs; see `balanced_groups`). Units of `unit_rows` consecutive rows (a DPO pair:
-    2) are never split: the groups are made of units (the config makes micro_batch_size a multiple)."""
+    2) are never split: the groups are made of units (the config makes micro_batch_size a multiple). A Ulysses
+    group of `sequence_parallel_size` devices shares a micro-batch: its budget is theirs together (as verl's)."""
     row_lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     lengths = [sum(row_lengths[i : i + unit_rows]) for i in range(0, len(row_lengths), unit_rows)]  # per unit
     if cfg.use_dynamic_bsz:
         groups = []
-        count = budget_count(lengths, cfg.max_token_len_per_device)
+        count = budget_count(lengths, cfg.max_token_len_per_device * sequence_parallel_size)
     else:
         units, size = list(range(len(lengths))), max(1, cfg.micro_batch_size // unit_rows)
         groups = [units[s : s + size] for s in range(0, len(units), size)]
@@ -186,16 +194,18 @@ def accumulate(model, groups: list[list[int]], cfg: TrainerConfig):
         yield rows
 
 
-def local_mini_rows(cfg: Config) -> int:
-    """Rows of one mini-batch on this rank: its share of `ppo_mini_batch_size * n` (online DPO: `* 2`, one pair
-    per prompt; the config checks that the number of workers divides it)."""
+def local_mini_rows(cfg: Config, sequence_parallel_size: int = 1) -> int:
+    """Rows of one mini-batch on this rank: its data-parallel share of `ppo_mini_batch_size * n` (online DPO: `* 2`,
+    one pair per prompt; the config checks that the number of workers divides it), the ranks of a Ulysses group of
+    `sequence_parallel_size` sharing one."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return cfg.rl.actor.ppo_mini_batch_size * cfg.rl.train_rows_per_prompt // world
+    return cfg.rl.actor.ppo_mini_batch_size * cfg.rl.train_rows_per_prompt // (world // sequence_parallel_size)
 
 
-def global_denominators(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`loss_denominators` of this rank's part of a mini-batch, summed over the ranks."""
-    return {k: all_reduce(v) for k, v in loss_denominators(response_mask).items()}
+def global_denominators(response_mask: torch.Tensor, sequence_parallel_size: int = 1) -> dict[str, torch.Tensor]:
+    """`loss_denominators` of this rank's part of a mini-batch, summed over the data-parallel ranks (the sum over
+    all ranks counts the rows of a Ulysses group once per rank: divided by `sequence_parallel_size`)."""
+    return {k: all_reduce(v) // sequence_parallel_size for k, v in loss_denominators(response_mask).items()}
 
 
 def clipped_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple:

@@ -24,6 +24,18 @@ def test_tensor_parallel_rollout_needs_vllm_and_must_divide_the_workers():
         load_config(None, tp2 + ["ray.rollout_devices_per_node=3"])
 
 
+def test_sequence_parallel_size_must_divide_the_trainers_and_fp8_needs_the_cuda_engine():
+    sp = ["rl.enabled=true", "ray.num_devices_per_node=4", "rl.actor.ulysses_sequence_parallel_size=2"]
+    assert load_config(None, sp).rl.actor.ulysses_sequence_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=3 must divide the number of trainer "
+                       r"workers, ray.num_devices_per_node \* ray.num_nodes = 4"):
+        load_config(None, sp[:2] + ["rl.actor.ulysses_sequence_parallel_size=3"])
+    fp8 = ["rl.enabled=true", "rl.rollout.quantization=fp8"]
+    assert load_config(None, fp8 + ["rl.rollout.engine=cuda"]).rl.rollout.quantization == "fp8"
+    with pytest.raises(ConfigError, match=r"quantization=fp8 needs rl.rollout.engine=cuda"):
+        load_config(None, fp8)
+
+
 def test_asynchronous_modes_need_rollout_devices_and_pushes_within_the_staleness_bound():
     fully = ["rl.enabled=true", "rl.async_training.mode=fully_async"]
     with pytest.raises(ConfigError, match=r"mode=fully_async generates on devices of its own.*"
@@ -40,5 +52,5 @@ def test_asynchronous_modes_need_rollout_devices_and_pushes_within_the_staleness
 
 def test_unknown_evaluation_engine_is_refused_with_the_choices():
     assert load_config(None, ["evaluate.engine=vllm"]).evaluate.engine == "vllm"
-    with pytest.raises(ConfigError, match=r"evaluate.engine = 'sglang'.*'auto', 'vllm' or 'hf'"):
+    with pytest.raises(ConfigError, match=r"evaluate.engine = 'sglang'.*'auto', 'vllm', 'cuda' or 'hf'"):
         load_config(None, ["evaluate.engine=sglang"])

@@ -175,6 +175,29 @@ def test_fp8_engine_requantises_at_each_sync_and_stays_near_the_trainer():
         CudaRolloutEngine(model, EOS, quantization="int4")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_sleep_frees_the_cache_and_a_sync_while_asleep_holds_after_wake(device):
+    # verl #7904: weights synced into a sleeping engine were lost at wake-up; here the cache (and on CUDA the
+    # graphs, captured again after wake-up) goes, the weights stay
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=40, release_memory_on_sleep=True,
+                               device=device, dtype=torch.float32, attention="sdpa", compile=False)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=10, stop_token_ids=(-5,))
+    batch = prompts(3)
+    first = [o.response_ids for o in engine.generate(batch, params)]
+    engine.sleep()
+    assert engine.decoder.kv is None
+    engine.update_weights(other.state_dict())
+    engine.wake()
+    if device == "cpu":
+        assert_greedy_like_hf(engine, other, batch, params)
+    engine.sleep()
+    engine.update_weights(model.state_dict())
+    engine.wake()
+    assert [o.response_ids for o in engine.generate(batch, params)] == first
+
+
 def _next_turns(batch, outs, seed: int = 3) -> list[list[int]]:
     """Each prompt + its reply + a few "tool" tokens: what a multi-turn loop sends next."""
     g = torch.Generator().manual_seed(seed)

@@ -59,6 +59,9 @@ SAME = {
     "algorithm.use_kl_in_reward": "True", "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": "0.01",
     "algorithm.kl_ctrl.horizon": "500", "algorithm.kl_ctrl.target_kl": "0.05", "algorithm.filter_groups.enable": "True",
     "algorithm.filter_groups.metric": "seq_reward", "algorithm.filter_groups.max_num_gen_batches": "0",
+    A + "fsdp_config.optimizer_offload": "True", A + "fsdp_config.offload_policy": "True",
+    "critic.model.fsdp_config.optimizer_offload": "True", "critic.model.fsdp_config.offload_policy": "True",
+    R + "free_cache_engine": "True", R + "quantization": "fp8", A + "ulysses_sequence_parallel_size": "2",
     "trainer.project_name": "verl_examples", "trainer.n_gpus_per_node": "2", "trainer.nnodes": "2",
     "ray_kwargs.ray_init.num_cpus": "8", "trainer.val_before_train": "False", "trainer.max_actor_ckpt_to_keep": "5",
 }
@@ -69,10 +72,13 @@ SAME |= {RC + "rollout_is": "token", RC + "rollout_is_threshold": "5.0", RC + "r
          RC + "loss_type": "reinforce"}
 
 CONTEXT = {R + "tensor_model_parallel_size": ["trainer.n_gpus_per_node=2"],  # what a sample needs to validate
+           A + "ulysses_sequence_parallel_size": ["trainer.n_gpus_per_node=2"],
            RC + "rollout_is_batch_normalize": [RC + "rollout_is=token"],
            RC + "rollout_rs": [RC + "rollout_rs_threshold=2.0"],
            RC + "rollout_rs_threshold": [RC + "rollout_rs=token_k1"],
            RC + "loss_type": [RC + "bypass_mode=True", A + "policy_loss.loss_mode=gpg"]}
+
+OUR_CONTEXT = {R + "quantization": ["rl.rollout.engine=cuda"]}  # our settings a sample needs
 
 # Rows that convert: key -> (the verl overrides, what they must set). Hand-worked values in the comments.
 VIA = {
@@ -173,9 +179,10 @@ def data(tmp_path_factory) -> Path:
     return write_gsm8k_parquet(tmp_path_factory.mktemp("verl-gsm8k"))
 
 
-def run(verl: list[str], recipe: Path | None = None, rows: int = 100):
-    """The config a verl command line resolves to (after data prep counted `rows` training rows)."""
-    cfg = load_config(recipe, translate(recipe, [], verl).overrides)
+def run(verl: list[str], recipe: Path | None = None, rows: int = 100, ours: list[str] = ()):
+    """The config a verl command line (after our overrides `ours`) resolves to (after data prep counted `rows`
+    training rows)."""
+    cfg = load_config(recipe, translate(recipe, list(ours), verl).overrides)
     return resolve_after_data_prep(cfg, rows)[0]
 
 
@@ -206,7 +213,8 @@ def test_every_row_of_the_table_is_tested():
 def test_a_key_with_our_equivalent_sets_it(key):
     ours, value = TABLE[key].ours, parse_value(SAME[key])
     assert value_at(BASE, ours) != value  # the sample changes the field
-    assert value_at(run([*CONTEXT.get(key, []), f"{key}={SAME[key]}"]), ours) == value
+    cfg = run([*CONTEXT.get(key, []), f"{key}={SAME[key]}"], ours=OUR_CONTEXT.get(key, []))
+    assert value_at(cfg, ours) == value
 
 
 @pytest.mark.parametrize("key", sorted(VIA))
