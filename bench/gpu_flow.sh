@@ -2,8 +2,12 @@
 # The flow end to end on a lent GPU machine (Ray, Prefect, the `cuda` engine): what a GPU user runs.
 #
 # The lent machines have torch and transformers but not Ray, Prefect, DuckDB, datasets or s3fs, and cannot
-# reach a registry; those travel as cp312 wheels, tarred and split into parts of ~55 MB carried one per call
-# (README 'Running on GPU machines' shows how to build the parts). Usage, on the GPU machine:
+# reach a registry; those travel as cp312 wheels, tarred and split into parts of ~55 MB carried one per call.
+# The parts, built here: the closure of ray, prefect, duckdb, datasets, s3fs, math_verify and pydantic in this
+# venv minus what the image has (102 wheels on 2026-11-24, listed in bench/results/2026-11-24-gpu-flow.md), then
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ... \
+#       -d gpuwhl -r needed.txt && tar cf gpuwhl.tar gpuwhl && split -b 54600000 gpuwhl.tar gpuwhl.part.
+# Usage, on the GPU machine:
 #   bash bench/gpu_flow.sh PARTS_DIR OUT_DIR [recipe overrides...]
 # PARTS_DIR holds gpuwhl.part.* (skipped when /tmp/site is installed already); OUT_DIR gets the console,
 # the run's logs, metrics and report (no weights).
