@@ -202,7 +202,9 @@ class RLTrainer:
             with timer("gen"):  # the asynchronous modes: waiting for the producer's groups
                 batch, metrics = (self.schedule.next_batch(step) if self.schedule else
                                   self.generate_and_score(step, timer))
-            batch, seqlen_metrics = balance_batch(batch, self.world_size, self.mini_rows)
+            # the actor's data-parallel parts: a Ulysses group's ranks share one
+            parts = self.world_size // self.rl.actor.ulysses_sequence_parallel_size
+            batch, seqlen_metrics = balance_batch(batch, parts, self.mini_rows)
             metrics.update(seqlen_metrics)
             if self.rl.algorithm.rollout_correction.bypass_mode:  # verl's bypass: pi_old is the engine's policy
                 batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
