@@ -155,6 +155,20 @@ def test_fp8_projections_within_e4m3_rounding():
     assert 0 < float((out - exact).norm() / exact.norm()) < 0.1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs float8 matmuls (CUDA, compute capability 8.9+)")
+def test_fp8_scaled_matmul_equals_the_dequantised_product():
+    from stages.rollout.cuda_model import FP8, linear, quantise_rows
+
+    weight = torch.randn(256, 512, device="cuda")
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    quantised, scales = torch.empty(256, 512, dtype=FP8, device="cuda"), torch.empty(256, device="cuda")
+    quantise_rows(weight, quantised, scales)
+    fast = linear(x, (quantised, scales)).float()
+    emulated = linear(x.cpu().float(), (quantised.cpu(), scales.cpu())).cuda()  # the CPU path: same quantisation
+    assert float((fast - emulated).norm() / emulated.norm()) < 1e-2  # bf16 output rounding only
+
+
 def test_fp8_engine_requantises_at_each_sync_and_stays_near_the_trainer():
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     batch = prompts(4)
