@@ -92,7 +92,10 @@ class ActorConfig(TrainerConfig):
     use_kl_loss: bool = Field(False, description="KL to the reference as a loss term (GRPO style).")
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("low_var_kl", description="k1 | k2 | k3 | abs | mse | low_var_kl, '+' forms too.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each layer's activations in backward. None: on with CUDA when a rank's share of "
+        "fp32 weights, gradients and AdamW moments (16 bytes per parameter) exceeds 40% of its GPU (e.g. 7B on one "
+        "H200), off otherwise (faster).")
     use_remove_padding: bool | None = Field(
         None, description="Pack sequences without padding in actor/reference forwards (verl's use_remove_padding); "
         "None: on with CUDA (varlen flash attention), off on CPU (where it loops over sequences).")

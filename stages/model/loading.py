@@ -40,11 +40,10 @@ def load_model(path: str | Path, cfg: ModelConfig, *, trainable: bool = True) ->
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
     )
-    if trainable and cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if trainable and cfg.lora is not None:
         model = apply_lora(model, cfg.lora)
+    if trainable and cfg.gradient_checkpointing:
+        enable_checkpointing(model)
     if not trainable:
         model.requires_grad_(False).eval()
     return model
@@ -61,10 +60,16 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
         target_modules=cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, peft_cfg)
-    if getattr(model.base_model.model, "is_gradient_checkpointing", False):
+    return get_peft_model(model, peft_cfg)
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward (a LoRA-wrapped model too)."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    if hf is not model:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    return model
 
 
 def unwrap_merged(model: PreTrainedModel) -> PreTrainedModel:

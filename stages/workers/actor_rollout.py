@@ -43,7 +43,7 @@ from stages.model.fsdp import (
     reshard,
     shard,
 )
-from stages.model.loading import compute_dtype, load_model
+from stages.model.loading import compute_dtype, enable_checkpointing, load_model
 from stages.model.policy import (
     TokenLogprobs,
     compile_layers,
@@ -64,6 +64,7 @@ from stages.workers.train_engine import (
     local_mini_rows,
     micro_batches,
     resolve_trainer,
+    state_is_large,
 )
 from stages.workers.weight_transfer import WeightGroup, WeightMeta, weight_meta
 
@@ -128,7 +129,7 @@ class ActorRolloutWorker:
         self._held_awake = False
         torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank
         # fp32 master weights; forwards compute in model.dtype (FSDP2 mixed precision)
-        model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": self.rl.actor.gradient_checkpointing,
+        model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": bool(self.rl.actor.gradient_checkpointing),
                                                  "dtype": "float32"})
         model = load_model(model_dir, model_cfg)
         check_heads(model.config, sp)
@@ -163,7 +164,15 @@ class ActorRolloutWorker:
         if problem and cuda and given.use_remove_padding is None:
             logger.warning("rl.actor.use_remove_padding: off, packed rows cannot compute this model (%s): the actor "
                            "and reference run on padded rows", problem)
+        checkpointing = given.gradient_checkpointing
+        if checkpointing is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            checkpointing = cuda and state_is_large(sum(p.numel() for p in model.parameters()), world,
+                                                    torch.cuda.get_device_properties(self.device).total_memory)
+            if checkpointing:
+                enable_checkpointing(model)
         actor = resolve_trainer(given, model).model_copy(update={
+            "gradient_checkpointing": checkpointing,
             "use_remove_padding": ((cuda or sp > 1) and not problem) if given.use_remove_padding is None
             else given.use_remove_padding,
             "use_torch_compile": cuda if given.use_torch_compile is None else given.use_torch_compile,

@@ -144,6 +144,7 @@ def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return reduced.to(value.device)
 
 
+CHECKPOINT_SHARE = 0.4  # see state_is_large
 GATHERED_SHARE = 0.25  # of device memory that a model's gathered bf16 weights + fp32 gradients may take
 
 
@@ -159,6 +160,14 @@ def gathered_fits(model: torch.nn.Module) -> bool:
         return False
     params = sum(p.numel() for p in model.parameters())
     return 6 * params <= GATHERED_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def state_is_large(num_params: int, world_size: int, device_bytes: int) -> bool:
+    """The automatic `rl.actor.gradient_checkpointing`: whether a rank's share of fp32 weights, gradients and
+    AdamW moments (16 bytes per parameter) takes more than CHECKPOINT_SHARE of its GPU, so that activations must
+    be recomputed to leave room (a 7B model on one H200: 81%, it needs it; 3B: 33%, which trained without
+    it on 12k-token micro-batches, faster: bench/results/2026-11-24-gpu-shapes.md)."""
+    return 16 * num_params / world_size > CHECKPOINT_SHARE * device_bytes
 
 
 def resolve_trainer(cfg: TrainerConfig, model: torch.nn.Module) -> TrainerConfig:

@@ -4,6 +4,7 @@
 - With `reshard_after_forward` off (the one-device default), inference passes leave no gathered weights
   behind (the rollout engine shares the device with them).
 - `rl.actor.optimizer_offload`: AdamW's moments emptied between steps, the same update.
+- `rl.actor.gradient_checkpointing` (automatic: off on CPU): recomputed activations, the same update.
 - `model.dtype=bfloat16`: the trained weights stay fp32 (optimizer updates of 1e-6 are not lost to bf16
   rounding), the forward computes in bf16, the frozen reference is stored in bf16.
 """
@@ -102,6 +103,20 @@ def test_optimizer_offload_gives_the_same_update(tiny_model_dir):
     expected = [trained_weights(plain, batch) for _ in range(2)][-1]
     for name, value in expected.items():
         assert torch.equal(offloaded[name], value), name
+
+
+@pytest.mark.parametrize("lora", [[], ["model.lora.rank=8"]], ids=["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, lora):
+    batch = a_batch(vocab(tiny_model_dir))
+    w = worker(tiny_model_dir, *lora, "rl.actor.gradient_checkpointing=true")
+    assert w.actor.lm.get_base_model().is_gradient_checkpointing if lora else w.actor.lm.is_gradient_checkpointing
+    recomputed = trained_weights(w, batch)
+    torch.distributed.destroy_process_group()
+    plain = worker(tiny_model_dir, *lora)  # automatic: off on CPU
+    assert plain.automatic_settings()["rl.actor.gradient_checkpointing"] is False
+    kept = trained_weights(plain, batch)
+    for name, value in kept.items():
+        torch.testing.assert_close(recomputed[name], value, rtol=0, atol=1e-6)
 
 
 @pytest.fixture(autouse=True)

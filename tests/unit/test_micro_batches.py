@@ -29,3 +29,12 @@ def test_dynamic_micro_batches_are_balanced_not_a_small_remainder():
 def test_fixed_micro_batches_keep_row_order():
     cfg = ActorConfig(micro_batch_size=3)
     assert micro_batches(a_batch([4] * 7), cfg) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_gradient_checkpointing_turns_on_when_the_training_state_fills_the_gpu():
+    from stages.workers.train_engine import state_is_large
+
+    h200 = 143_771 * 2**20
+    assert state_is_large(7_615_616_512, 1, h200)  # 7B on one H200: 81% of it
+    assert not state_is_large(3_085_938_688, 1, h200)  # 3B: 33%
+    assert not state_is_large(7_615_616_512, 4, h200)  # 7B over 4 GPUs: 20% each
