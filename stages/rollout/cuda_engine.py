@@ -93,7 +93,7 @@ class CudaRolloutEngine:
     response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows); prefix_cache_rows is
     the number of finished sequences whose K/V are kept for a continuation (0: off). quantization 'fp8':
     the layers' projections in float8 with per-channel scales, requantised at every `update_weights`
-    (cuda_model.py `linear`; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
+    (fp8.py; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
     release_memory_on_sleep: `sleep` frees the KV cache and the CUDA graphs (captured again as generation
     meets each batch size after `wake`); None: when the cache takes >= `FREE_CACHE_SHARE` of the GPU.
     """

@@ -9,7 +9,7 @@ transformers model, with the same operation order as transformers so that greedy
   tensors into them in place, so captured CUDA graphs stay valid across weight syncs; with `fp8` the four
   projections of every layer are quantised after each load (float8 e4m3, one scale per output channel,
   in place) and their bf16 copies emptied until the next load; activations are quantised per token as they
-  come (`linear`); embeddings, norms and the head stay in the engine's dtype;
+  come (fp8.py `linear`); embeddings, norms and the head stay in the engine's dtype;
 - KV cache: (layers, 2, slots, max_len, kv_heads, head_dim), a sequence's tokens at positions 0.. of
   its slot; the engine moves slots around (compaction), this module only reads and writes them;
 - prefill: prompts packed without padding (position ids per prompt), causal attention within each
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from stages.model.policy import packed_attention
+from stages.rollout.fp8 import FP8, linear, quantise_rows
 
-FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 PROJECTIONS = ("qkv_w", "o_w", "gate_up", "down")  # the matmul weights `fp8` quantises
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # llama: Llama 2 and 3 (rope scaling comes from HF's rotary)
@@ -127,7 +127,7 @@ class DecoderWeights:
                     for name in PROJECTIONS} if fp8 else None
 
     def projections(self, i: int) -> tuple:
-        """Layer i's qkv, o, gate/up and down weights as `linear` takes them."""
+        """Layer i's qkv, o, gate/up and down weights as fp8.py `linear` takes them."""
         if self.fp8 is not None:
             return tuple(self.fp8[name][i] for name in PROJECTIONS)
         return self.qkv_w[i], self.o_w[i], self.gate_up[i], self.down[i]
@@ -194,29 +194,6 @@ class DecoderWeights:
 
 
 # ---- pointwise pieces (compiled on CUDA; same operation order as transformers) -------------------------
-
-
-def quantise_rows(weight: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
-    """weight (O, K) -> out (O, K) float8 e4m3 and scales (O,) in place: each row's largest |w| maps to 448."""
-    row_scales = weight.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX
-    scales.copy_(row_scales)
-    out.copy_((weight.float() / row_scales[:, None]).to(FP8))
-
-
-def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-    """F.linear; for weight = (float8 (O, K), scales (O,)) the rows of x are quantised to float8 with one scale
-    per token (dynamic) and multiplied in one scaled matmul (`_scaled_mm`, Hopper/Ada) on CUDA, in float32 from
-    the dequantised values elsewhere (the same quantisation error: CPU tests)."""
-    if not isinstance(weight, tuple):
-        return F.linear(x, weight, bias)
-    quantised, scales = weight
-    x_scales = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (N, 1)
-    x8 = (x.float() / x_scales).to(FP8)
-    if x.is_cuda:
-        out = torch._scaled_mm(x8, quantised.t(), scale_a=x_scales, scale_b=scales[None], out_dtype=x.dtype)
-    else:
-        out = ((x8.float() * x_scales) @ (quantised.float() * scales[:, None]).t()).to(x.dtype)
-    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

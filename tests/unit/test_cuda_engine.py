@@ -144,7 +144,7 @@ def _sampled_logprob_gap(engine, model, batch) -> float:
 
 
 def test_fp8_projections_within_e4m3_rounding():
-    from stages.rollout.cuda_model import FP8, linear, quantise_rows
+    from stages.rollout.fp8 import FP8, linear, quantise_rows
 
     weight, x = torch.randn(48, 64), torch.randn(5, 64)
     quantised, scales = torch.empty(48, 64, dtype=FP8), torch.empty(48)
@@ -158,7 +158,7 @@ def test_fp8_projections_within_e4m3_rounding():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs float8 matmuls (CUDA, compute capability 8.9+)")
 def test_fp8_scaled_matmul_equals_the_dequantised_product():
-    from stages.rollout.cuda_model import FP8, linear, quantise_rows
+    from stages.rollout.fp8 import FP8, linear, quantise_rows
 
     weight = torch.randn(256, 512, device="cuda")
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
