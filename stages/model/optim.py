@@ -37,7 +37,7 @@ class OffloadedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         self._reload()
         loss = super().step(closure)
-        self._offload()
+        self.offload()
         return loss
 
     def state_dict(self):
@@ -57,7 +57,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 if torch.is_tensor(local) and local.numel() > 1:
                     yield (id(param), name), local
 
-    def _offload(self) -> None:
+    def offload(self) -> None:
+        """Moments to host memory, their device storage emptied (nothing to do when they are there already)."""
+        if self._offloaded:
+            return
         pin = torch.cuda.is_available()
         moments = list(self._moments())
         for key, local in moments:

@@ -32,7 +32,7 @@ from infra.rl_config import TrainerConfig
 from stages.batch import Batch
 from stages.core import loss_denominators
 from stages.model.fsdp import load_train_state, save_train_state
-from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.optim import OffloadedAdamW, build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
@@ -82,9 +82,17 @@ class TrainEngine:
 
     def save(self, path: Path) -> None:
         save_train_state(path, self.model, self.optimizer, self.scheduler)
+        self._offload_optimizer()
 
     def load(self, path: Path) -> None:
         load_train_state(path, self.model, self.optimizer, self.scheduler)
+        self._offload_optimizer()
+
+    def _offload_optimizer(self) -> None:
+        """`optimizer_offload`: reading or writing the state brought the moments to the device; send them back
+        before generation needs the memory."""
+        if isinstance(self.optimizer, OffloadedAdamW):
+            self.optimizer.offload()
 
 
 def micro_batches(batch: Batch, cfg: TrainerConfig, unit_rows: int = 1, sequence_parallel_size: int = 1

@@ -92,17 +92,27 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir):
     assert {s["exp_avg"].dtype for s in w.trainer.optimizer.state.values()} == {torch.float32}
 
 
-def test_optimizer_offload_gives_the_same_update(tiny_model_dir):
+def emptied_moments(w: ActorRolloutWorker) -> bool:
+    moments = [v.to_local() for s in w.trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
+    return bool(moments) and all(m.untyped_storage().nbytes() == 0 for m in moments)
+
+
+def test_optimizer_offload_gives_the_same_update(tiny_model_dir, tmp_path):
     batch = a_batch(vocab(tiny_model_dir))
     w = worker(tiny_model_dir, "rl.actor.optimizer_offload=true")
     offloaded = [trained_weights(w, batch) for _ in range(2)][-1]  # the second step reloads the moments
-    moments = [v.to_local() for s in w.trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
-    assert moments and all(m.untyped_storage().nbytes() == 0 for m in moments)  # DTensor state: emptied
+    assert emptied_moments(w)  # DTensor state
+    w.save_checkpoint(str(tmp_path / "ckpt"))  # reads the moments back, then empties them again
+    assert emptied_moments(w)
+    w.load_checkpoint(str(tmp_path / "ckpt"))
+    assert emptied_moments(w)
+    resumed = trained_weights(w, batch)
     torch.distributed.destroy_process_group()
     plain = worker(tiny_model_dir)
-    expected = [trained_weights(plain, batch) for _ in range(2)][-1]
-    for name, value in expected.items():
+    expected = [trained_weights(plain, batch) for _ in range(3)]
+    for name, value in expected[1].items():
         assert torch.equal(offloaded[name], value), name
+        assert torch.equal(resumed[name], expected[2][name]), name
 
 
 @pytest.mark.parametrize("lora", [[], ["model.lora.rank=8"]], ids=["full", "lora"])

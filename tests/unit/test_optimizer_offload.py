@@ -39,3 +39,6 @@ def test_state_dict_brings_the_moments_back_and_resuming_is_exact():
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), resumed.parameters()))
     state = optimizer.state_dict()["state"]
     assert all(v.untyped_storage().nbytes() > 0 for s in state.values() for k, v in s.items() if k != "step")
+    optimizer.offload()  # what TrainEngine.save does after writing the checkpoint; twice is harmless
+    optimizer.offload()
+    assert all(m.untyped_storage().nbytes() == 0 for m in _moments(optimizer))
