@@ -1,14 +1,14 @@
 """Scale-out on CPU: N colocated Ray workers (placement group, one gloo FSDP2 world per role, one rollout
 engine per worker) compute what one worker computes, learn, and checkpoint sharded.
 
-1. The same global batch through 1 and 2 workers (each with the driver's dispatch: balance, split, gather):
+1. The same global batch through 1 and 2 workers, and 1 and 4 (each with the driver's dispatch: balance, split, gather):
    equal old/ref logprobs and values, losses, gradients and gradient norms (up to float32 summation order),
    and equal parameters after the update wherever Adam's normalised step does not amplify that rounding.
 2. GRPO on 2 workers with vLLM engines raises the mean reward.
 3. A 2-worker PPO run checkpoints sharded (torch.distributed.checkpoint), resumes on 2 workers exactly, and
    the merge stage's reader consolidates the shards into the weights the live workers trained.
 
-One Ray instance for the module, with 4 logical CPU slots so a 1- and a 2-worker group fit side by side.
+One Ray instance for the module, with 4 logical CPU slots (a 4-worker group of two roles takes them all).
 The dispatch helpers (split, gather, balance) are also tested on their own, without Ray.
 """
 
@@ -182,8 +182,9 @@ def run_workers(cfg, model_dir, batch: Batch, check_prompts, num_workers: int, i
 
 
 @pytest.mark.slow
-def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_dir, tiny_data_dir):
-    # 2 mini-batches of 16 samples; micro-batches of 3 rows split them differently at N=1 and N=2
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_n_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_dir, tiny_data_dir, num_workers):
+    # 2 mini-batches of 16 samples; micro-batches of 3 rows split them differently at N=1 and N=2 or 4
     cfg = load_config(None, TINY_OVERRIDES + RL + [
         "rl.rollout.engine=hf", "rl.algorithm.adv_estimator=gae", "rl.actor.micro_batch_size=3",
         "rl.critic.micro_batch_size=5", "rl.actor.use_kl_loss=true", "rl.actor.kl_loss_coef=0.1",
@@ -199,7 +200,7 @@ def test_two_workers_compute_what_one_worker_computes(ray_cluster, tiny_model_di
     actor_once = {"reshard_after_forward": False, "grad_sync_every_micro_batch": False}
     cfg_two = cfg.model_copy(update={"rl": cfg.rl.model_copy(
         update={"actor": cfg.rl.actor.model_copy(update=actor_once)})})
-    two = run_workers(cfg_two, str(tiny_model_dir), batch, check_prompts, 2, inputs=one)
+    two = run_workers(cfg_two, str(tiny_model_dir), batch, check_prompts, num_workers, inputs=one)
 
     # Per token, forwards over other micro-batches (other padding and summation order): this model's float32
     # logprobs are within 1e-6 of their float64 values, so the two runs differ by about 2e-6.
