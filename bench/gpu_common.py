@@ -207,19 +207,31 @@ def profile_phase(fn, path: Path, rows: int = 30):
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     busy, end, by_kind, by_name = 0.0, float("-inf"), {}, {}
+    gaps: collections.Counter = collections.Counter()  # idle device time (us) by the kernels around it
+    gap_counts: collections.Counter = collections.Counter()
+    previous = ""
     for s, e, name in kernels:
         busy += max(0.0, e - max(s, end))
+        if end > float("-inf") and s - end > 5:  # idle > 5 us before this kernel
+            key = f"{previous[:50]} -> {name[:50]}"
+            gaps[key] += s - end
+            gap_counts[key] += 1
+        if e > end:
+            previous = name
         end = max(end, e)
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s) / 1e6
         total, calls = by_name.get(name, (0.0, 0))
         by_name[name] = (total + (e - s) / 1e3, calls + 1)
-    summary = {"profiled_wall_s": wall, "device_busy_s": busy / 1e6, "kernels": len(kernels),
+    summary = {"profiled_wall_s": wall, "device_busy_s": busy / 1e6, "device_idle_gaps_s": sum(gaps.values()) / 1e6,
+               "kernels": len(kernels),
                "host_syncs": sum(syncs.values()),
                **{f"kernel_s/{k}": v for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: 2 * rows]
     text = ["\n".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()),
             "kernel ms | calls | kind | name\n" + "\n".join(
                 f"{ms:9.2f} | {calls:6d} | {kernel_kind(name):18s} | {name[:160]}" for name, (ms, calls) in top),
+            "device idle > 5 us, by the kernels before and after (us | gaps | kernels):\n" + "\n".join(
+                f"{us:10.0f} | {gap_counts[key]:6d} | {key}" for key, us in gaps.most_common(rows)),
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90),
             "host syncs by call stack:\n" + "\n".join(f"x{n}:\n{stack}" for stack, n in syncs.most_common())]
     Path(path).write_text("\n\n".join(text))

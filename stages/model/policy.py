@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from stages.model import rotary
 from stages.model.sequence_parallel import gather_outputs, split_packed, ulysses_attention
 
 PACKED_ATTENTION = "packed_sdpa"  # transformers attention implementation: sdpa, or varlen when packed
@@ -329,7 +330,9 @@ def _hf_packed_attention(module, query, key, value, attention_mask, dropout: flo
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, heads, D); T/P with SP
+    # (T, heads, D), T/P with SP: no copy where the rotary op wrote (1, T, heads, D) memory, and views only in
+    # backward (x[0] would make the compiled backward materialise a transposed gradient)
+    q, k, v = (x.transpose(1, 2).flatten(0, 1).contiguous() for x in (query, key, value))
     group = kwargs.get("sequence_parallel")
     if group is None:
         out = packed_attention(q, k, v, cu, kwargs["max_length_q"], scaling)
@@ -362,7 +365,8 @@ def packing_unsupported(config) -> str | None:
 
 
 def use_packed_attention(lm: nn.Module) -> None:
-    """Register `PACKED_ATTENTION` with transformers and switch `lm` (or the model inside peft) to it."""
+    """Register `PACKED_ATTENTION` with transformers and switch `lm` (or the model inside peft) to it; its rotary
+    embedding writes q and k in the layout that attention reads (stages/model/rotary.py)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -370,6 +374,7 @@ def use_packed_attention(lm: nn.Module) -> None:
     AttentionMaskInterface.register(PACKED_ATTENTION, _hf_packed_mask)
     hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     hf.set_attn_implementation(PACKED_ATTENTION)
+    rotary.install(type(hf).__module__)
 
 
 def compile_layers(lm: nn.Module) -> None:
