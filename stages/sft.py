@@ -2,9 +2,13 @@
 
 Each optimizer step takes `sft.train_batch_size` sequences, split into micro-batches of
 `sft.micro_batch_size` with gradient accumulation. The loss is a token mean over the whole global batch:
-every micro-batch divides its summed token losses by the batch's total response-token count, so the
+every micro-batch divides its summed token losses by the batch's total loss-token count, so the
 gradient does not depend on how the batch is split. The epoch's sample order is a permutation seeded by
 (run.seed, epoch), so a run resumed from a checkpoint at step s sees exactly the batches it would have.
+
+The loss goes through the RL actor's token-logprob module (`sft_policy`): the same packed rows, chunked
+vocabulary projection and, on CUDA, compiled layers and Triton head as the RL update, on one device with fp32
+master weights and autocast.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from typing import Protocol
 
 import pyarrow.parquet as pq
 import torch
-import torch.nn.functional as F
 
 from infra.config import Config, DataConfig
 from infra.tracking import Tracker, progress_bar
+from stages.batch import Batch, build_batch, to_device
 from stages.model.loading import (
     DTYPES,
     chat_prompt_ids,
@@ -31,6 +35,7 @@ from stages.model.loading import (
     tool_turn_ids,
 )
 from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.policy import TokenLogprobs, compile_layers, pack_rows, packing_unsupported
 from stages.model.safe_load import load_state
 
 logger = logging.getLogger(__name__)
@@ -119,58 +124,63 @@ def _truncate(prompt: list[int], cfg: DataConfig) -> list[int]:
     return prompt[-n:] if cfg.truncation == "left" else prompt[:n]
 
 
-def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and a bool `loss_mask` over target positions."""
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), width), dtype=torch.bool)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        input_ids[i, :n] = torch.tensor(e.input_ids)
-        attention_mask[i, :n] = 1
-        loss_mask[i, e.num_prompt_tokens : n] = True  # positions holding response tokens
-        if e.loss_mask is not None:  # multi-turn: not the tool tokens between assistant turns
-            loss_mask[i, e.num_prompt_tokens : n] &= torch.tensor(e.loss_mask, dtype=torch.bool)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+def sft_batch(examples: list[SFTExample], pad_id: int) -> Batch:
+    """The examples in the RL trainer's layout (stages/batch.py: left-padded prompts, right-padded responses);
+    `response_mask` marks the loss tokens (a multi-turn example's tool tokens are not among them)."""
+    prompts = [e.input_ids[: e.num_prompt_tokens] for e in examples]
+    responses = [e.input_ids[e.num_prompt_tokens :] for e in examples]
+    masks = [e.loss_mask or [1] * len(r) for e, r in zip(examples, responses)]
+    return build_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id, response_masks=masks)
 
 
-def summed_token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum over response tokens of -log p(token | prefix), on the model's device."""
-    device = next(model.parameters()).device
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    targets = batch["input_ids"][:, 1:]
-    mask = batch["loss_mask"][:, 1:]  # token t is predicted at position t-1
-    nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T-1)
-    return (nll * mask).sum()
+def sft_policy(model: torch.nn.Module, cuda: bool) -> TokenLogprobs:
+    """The model as SFT trains it: the RL actor's token-logprob module (rows packed without padding where the
+    architecture allows, the vocabulary projected in chunks, so full-vocabulary logits never exist for the whole
+    micro-batch), with compiled layers and head on CUDA."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if cuda:
+        compile_layers(model)
+    return TokenLogprobs(model, pack=packing_unsupported(hf.config) is None, compile_head=cuda)
+
+
+def summed_token_nll(policy: TokenLogprobs, batch: Batch) -> torch.Tensor:
+    """Sum over the loss tokens of -log p(token | prefix), on the model's device."""
+    device = next(policy.parameters()).device
+    inputs = batch.model_inputs()
+    if policy.pack:  # packed on the host: reading lengths on the device would make the host wait
+        inputs["packed"] = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["num_response_tokens"])
+    logprobs, _ = policy(**to_device(inputs, device))
+    return -(logprobs * batch.response_mask.to(device)).sum()
 
 
 def num_target_tokens(examples: list[SFTExample]) -> int:
-    return sum(len(e.input_ids) - e.num_prompt_tokens for e in examples)
+    """Loss tokens: the responses' tokens, but for a multi-turn example's tool tokens."""
+    return sum(sum(e.loss_mask) if e.loss_mask is not None else len(e.input_ids) - e.num_prompt_tokens
+               for e in examples)
 
 
-def train_step(model, optimizer, examples: list[SFTExample], micro_batch_size: int, grad_clip: float, pad_id: int):
+def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], micro_batch_size: int,
+               grad_clip: float, pad_id: int):
     """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm)."""
     global_tokens = num_target_tokens(examples)
-    total = torch.zeros((), device=next(model.parameters()).device)
+    total = torch.zeros((), device=next(policy.parameters()).device)
     for start in range(0, len(examples), micro_batch_size):
-        micro = collate(examples[start : start + micro_batch_size], pad_id)
-        loss = summed_token_nll(model, micro) / global_tokens
+        loss = summed_token_nll(policy, sft_batch(examples[start : start + micro_batch_size], pad_id)) / global_tokens
         loss.backward()
         total += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
 
 
 @torch.no_grad()
-def validation_loss(model, examples: list[SFTExample], micro_batch_size: int, pad_id: int) -> torch.Tensor:
-    model.eval()
-    total = sum(summed_token_nll(model, collate(examples[s : s + micro_batch_size], pad_id))
+def validation_loss(policy: TokenLogprobs, examples: list[SFTExample], micro_batch_size: int,
+                    pad_id: int) -> torch.Tensor:
+    policy.eval()
+    total = sum(summed_token_nll(policy, sft_batch(examples[s : s + micro_batch_size], pad_id))
                 for s in range(0, len(examples), micro_batch_size))
-    model.train()
+    policy.train()
     return total / num_target_tokens(examples)
 
 
@@ -196,7 +206,8 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
     optimizer = build_optimizer(model.parameters(), cfg.sft.optim)
     scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
     step = _resume(checkpoints, model, optimizer, scheduler)
-    loop = _Loop(cfg, model, optimizer, scheduler, tokenizer.pad_token_id, tracker, checkpoints)
+    loop = _Loop(cfg, model, sft_policy(model, device == "cuda"), optimizer, scheduler, tokenizer.pad_token_id,
+                 tracker, checkpoints)
     dtype = compute_dtype(cfg.model)
     with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
         metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
@@ -208,6 +219,7 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
 class _Loop:
     cfg: Config
     model: torch.nn.Module
+    policy: TokenLogprobs  # the model, as the loss sees it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     pad_id: int
@@ -225,14 +237,14 @@ class _Loop:
             order = epoch_order(len(train), self.cfg.run.seed, epoch)
             batch = [train[i] for i in order[pos * sft.train_batch_size : (pos + 1) * sft.train_batch_size]]
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = train_step(self.model, self.optimizer, batch, sft.micro_batch_size,
+            loss, grad_norm = train_step(self.policy, self.optimizer, batch, sft.micro_batch_size,
                                          sft.optim.grad_clip, self.pad_id)
             self.scheduler.step()
             step += 1
             metrics = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
                        "train/epoch": epoch}
             if step % val_freq == 0 or step == total_steps:
-                metrics["val/loss"] = float(validation_loss(self.model, val, sft.micro_batch_size, self.pad_id))
+                metrics["val/loss"] = float(validation_loss(self.policy, val, sft.micro_batch_size, self.pad_id))
             self.tracker.log(metrics, step)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)  # redrawn on the bar's own clock
             bar.update()

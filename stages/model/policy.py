@@ -307,6 +307,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     cu_seqlens (S+1,) int32 are the sequences' boundaries; head h attends with kv head h // (H / H_kv).
     """
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):  # as autocast runs sdpa: in its dtype (SFT's path)
+        query, key, value = (x.to(torch.get_autocast_dtype("cuda")) for x in (query, key, value))
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scale)[0]
     groups = query.shape[1] // key.shape[1]

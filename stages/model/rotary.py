@@ -74,8 +74,10 @@ _rotary.register_autograd(_grad, setup_context=_setup)
 
 
 def _fits(q, k, cos, sin) -> bool:
-    """q, k (B, heads, T, D) transposed views of (B, T, heads, D) memory, cos/sin (B, T, D) without gradient."""
+    """q, k (B, heads, T, D) transposed views of (B, T, heads, D) memory, cos/sin (B, T, D) of their dtype (under
+    autocast transformers' product would promote to cos's) without gradient."""
     return (q.dim() == k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
             and cos.shape[:2] == (q.shape[0], q.shape[2]) and q.shape[-1] % 2 == 0
             and q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()
             and not (cos.requires_grad or sin.requires_grad))

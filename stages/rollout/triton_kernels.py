@@ -57,8 +57,8 @@ def _decode_split_kernel(Q, K, V, LENS, O_PART, LSE_PART, scale, stride_qb, stri
     lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     base = b * stride_ob + kvh * stride_oh + s * stride_os
-    tl.store(O_PART + base + g[:, None] * D + d[None, :], out)
-    tl.store(LSE_PART + b * stride_lb + kvh * stride_lh + s * GP + g, lse)
+    tl.store(O_PART + base + g[:, None] * D + d[None, :], out, mask=(g < GROUPS)[:, None])  # real heads only
+    tl.store(LSE_PART + b * stride_lb + kvh * stride_lh + s * GP + g, lse, mask=g < GROUPS)
 
 
 @triton.jit
@@ -78,11 +78,14 @@ def _decode_combine_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_o
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, split: int = 128) -> torch.Tensor:
+                     scale: float, split: int = 128, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """q (B, H, D) contiguous; k_cache, v_cache (B, T, H_kv, D) with unit stride in D; lengths (B,) >= 1.
 
     Returns (B, H, D): head h attends with kv head h // (H / H_kv) to cache positions [0, lengths[b]).
+    split, block_n, num_warps, num_stages: the split kernel's tiling (bench/gpu_decode_kernels.py sweeps them).
     """
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     b, heads, dim = q.shape
     t, kv_heads = k_cache.shape[1], k_cache.shape[2]
     groups = heads // kv_heads
@@ -94,7 +97,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, lengths, o_part, lse_part, scale, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        GROUPS=groups, GP=gp, D=dim, SPLIT=split, BLOCK_N=64, num_warps=4,
+        GROUPS=groups, GP=gp, D=dim, SPLIT=split, BLOCK_N=block_n, num_warps=num_warps, **stages,
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b, heads)](

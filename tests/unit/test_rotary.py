@@ -47,7 +47,8 @@ def test_routed_function_falls_back_where_the_op_does_not_fit():
     q, k, cos, sin = _inputs()
     q_plain, k_plain = (x.detach().contiguous() for x in (q, k))  # (B, heads, T, D) memory: not the op's layout
     assert not rotary._fits(q_plain, k_plain, cos, sin) and rotary._fits(q, k, cos, sin)
-    other_layouts = (((q_plain, k_plain, cos, sin), {}), ((q, k, cos[:, None], sin[:, None]), {"unsqueeze_dim": 2}))
+    other_layouts = (((q_plain, k_plain, cos, sin), {}), ((q, k, cos[:, None], sin[:, None]), {"unsqueeze_dim": 2}),
+                     ((q.bfloat16(), k.bfloat16(), cos, sin), {}))  # float32 cos/sin promote (autocast)
     for args, kwargs in other_layouts:
         for a, b in zip(routed(*args, **kwargs), HF_ROTARY(*args, **kwargs)):
             torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -13,7 +13,17 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker
 from stages.model.loading import load_model, load_tokenizer
 from stages.model.optim import lr_multiplier
-from stages.sft import SFTExample, collate, run_sft, summed_token_nll, tokenize_sft, train_step
+from stages.model.policy import TokenLogprobs
+from stages.sft import (
+    SFTExample,
+    num_target_tokens,
+    run_sft,
+    sft_batch,
+    sft_policy,
+    summed_token_nll,
+    tokenize_sft,
+    train_step,
+)
 from tests.conftest import TINY_OVERRIDES
 from tests.tolerances import assert_close_sgd_steps
 
@@ -34,13 +44,16 @@ def test_targets_are_response_tokens_ending_with_eos(examples, tiny_model_dir):
 
 def test_loss_is_summed_over_response_tokens_only(tiny_config, tiny_model_dir):
     model = load_model(tiny_model_dir, tiny_config.model)
-    ex = [SFTExample([5, 6, 7, 8, 9], 3), SFTExample([5, 6, 7], 2)]
-    batch = collate(ex, pad_id=0)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = torch.log_softmax(logits.float(), -1)
-    # targets: example 0 predicts ids[3]=8 at position 2 and ids[4]=9 at 3; example 1 predicts ids[2]=7 at 1
-    expected = -(logp[0, 2, 8] + logp[0, 3, 9] + logp[1, 1, 7])
-    torch.testing.assert_close(summed_token_nll(model, batch), expected, rtol=1e-6, atol=1e-6)
+    ex = [SFTExample([5, 6, 7, 8, 9], 3), SFTExample([5, 6, 7], 2), SFTExample([5, 6, 7, 8, 9], 2, [1, 0, 1])]
+    logp = [torch.log_softmax(model(input_ids=torch.tensor([e.input_ids])).logits[0].float(), -1) for e in ex]
+    # example 0 predicts ids[3]=8 at position 2 and ids[4]=9 at 3; example 1 ids[2]=7 at 1; example 2 (multi-turn,
+    # its second response token a tool token) ids[2]=7 at 1 and ids[4]=9 at 3
+    expected = -(logp[0][2, 8] + logp[0][3, 9] + logp[1][1, 7] + logp[2][1, 7] + logp[2][3, 9])
+    for pack in (True, False):
+        policy = sft_policy(model, cuda=False) if pack else TokenLogprobs(model)
+        assert policy.pack == pack
+        torch.testing.assert_close(summed_token_nll(policy, sft_batch(ex, pad_id=0)), expected, rtol=1e-6, atol=1e-6)
+    assert num_target_tokens(ex) == 5
 
 
 def test_micro_batching_does_not_change_the_step(tiny_config, tiny_model_dir, examples):
@@ -51,7 +64,7 @@ def test_micro_batching_does_not_change_the_step(tiny_config, tiny_model_dir, ex
         torch.manual_seed(0)
         model = load_model(tiny_model_dir, tiny_config.model).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # not Adam: its steps amplify float differences
-        loss, _ = train_step(model, opt, batch, micro, grad_clip=1e9, pad_id=0)
+        loss, _ = train_step(sft_policy(model, cuda=False), opt, batch, micro, grad_clip=1e9, pad_id=0)
         params[micro] = (loss, copy.deepcopy(model.state_dict()))
     for micro in (3, 1):
         # the token mean of ~6-nat losses, each within ~1e-6 of its float64 value, summed in another order
@@ -142,7 +155,7 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_config, tiny_model_dir,
         cfg = tiny_config.model.model_copy(update={"gradient_checkpointing": checkpointing})
         model = load_model(tiny_model_dir, cfg).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        train_step(model, opt, batch, 4, grad_clip=1e9, pad_id=0)
+        train_step(sft_policy(model, cuda=False), opt, batch, 4, grad_clip=1e9, pad_id=0)
         states.append(model.state_dict())
     assert_close_sgd_steps(states[1], states[0], before)
 
@@ -153,3 +166,21 @@ def test_bf16_sft_trains_fp32_master_weights_and_saves_bf16(tiny_model_dir, tiny
     result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "model.dtype=bfloat16")
     with safe_open(str(result.model_dir / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled layers, flash attention)")
+def test_sft_on_cuda_packed_and_compiled_under_autocast_matches_the_plain_path(tiny_config, tiny_model_dir, examples):
+    """fp32 master weights, bf16 autocast (as run_sft on a GPU): the packed, compiled path gives the padded eager
+    path's loss and gradients."""
+    batch = examples[:8]
+    results = []
+    for fast in (False, True):
+        model = load_model(tiny_model_dir, tiny_config.model).cuda().train()
+        policy = sft_policy(model, cuda=True) if fast else TokenLogprobs(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = summed_token_nll(policy, sft_batch(batch, pad_id=0)) / num_target_tokens(batch)
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (loss0, g0), (loss1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0.02, atol=0.02)
+    assert float((g1 - g0).norm() / g0.norm()) < 0.05

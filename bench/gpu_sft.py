@@ -1,0 +1,70 @@
+"""SFT step speed on one GPU: stages/sft.py's `train_step` as run_sft runs it (fp32 master weights, bf16 autocast).
+
+    python3 bench/gpu_sft.py --out $OUT --name NAME [--shape 0.5b]      # in a checkout (or an older one: same API)
+
+Workload: a Qwen2.5-shaped model with random weights, 64 examples per optimizer step in micro-batches of 8,
+prompts of 128-256 tokens and responses of 100-512 (uniform), fused AdamW. Figures: median of the timed steps
+after warm-up (the first step compiles): seconds, tokens/s (prompt + response), MFU = 6 x params x tokens /
+seconds / the run's measured bf16 matmul rate (as bench/gpu_worker.py), peak memory.
+Works with the code before SFT went through TokenLogprobs (train_step took the model itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_common import Results, machine, measure_ceilings, num_params, workload_model, workload_prompts  # noqa: E402
+from stages import sft  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="gpu-sft")
+    p.add_argument("--shape", default="0.5b")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--micro", type=int, default=8)
+    args = p.parse_args()
+    res = Results(args.name, args.out)
+    ceilings = measure_ceilings()
+    res.add("machine", {**machine(), **ceilings})
+    model = workload_model(False, "cuda", torch.float32, shape=args.shape).train()
+    vocab, eos = model.config.vocab_size, model.config.eos_token_id
+    prompts = workload_prompts(args.batch, 128, 256, vocab, eos, seed=1)
+    responses = workload_prompts(args.batch, 100, 512, vocab, eos, seed=2)
+    examples = [sft.SFTExample(p_ + r + [eos], len(p_)) for p_, r in zip(prompts, responses)]
+    tokens = sum(len(e.input_ids) for e in examples)
+    trained = sft.sft_policy(model, cuda=True) if hasattr(sft, "sft_policy") else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    times = []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = sft.train_step(trained, optimizer, examples, args.micro, 1.0, pad_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        res.add(f"step{step}", {"seconds": seconds, "loss": float(loss), "peak_gib": peak})
+        if step >= args.warmup:
+            times.append(seconds)
+    median = sorted(times)[len(times) // 2]
+    mfu = 6 * num_params(model) * tokens / median / (ceilings["bf16_matmul_tflops"] * 1e12)
+    res.add("summary", {"step_s": median, "tokens_per_step": tokens, "tok_per_s": tokens / median, "mfu": mfu,
+                        "params": num_params(model), "path": "sft_policy" if trained is not model else "model"})
+    res.table([("step s", median, f"{tokens} tokens"), ("tokens/s", tokens / median, ""), ("MFU", mfu, ""),
+               ("peak GiB", peak, "last step")])
+
+
+if __name__ == "__main__":
+    main()
