@@ -48,6 +48,8 @@ def parse_args():
     p.add_argument("--fp8", action="store_true", help="also the fp8 engine (rl.rollout.quantization=fp8)")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "3b", "7b"], help="Qwen2.5 shape")
     p.add_argument("--profile", action="store_true", help="profile eager decode steps at full batch (kernel table)")
+    p.add_argument("--attention-tiling", nargs="*", default=[], metavar="SPLIT,BLOCK_N,WARPS,STAGES",
+                   help="also engines whose decode attention uses these tilings (bench/gpu_decode_kernels.py)")
     return p.parse_args()
 
 
@@ -223,6 +225,9 @@ def main() -> None:
     del engine
     if args.fp8:
         res.attempt("fp8", fp8_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo, ceilings)
+    for tiling in args.attention_tiling:
+        res.attempt(f"tiling_{tiling}", tiled_engine, res, tiling, model, prompts, params, hi + max_tokens,
+                    concurrency, lo)
     if args.variants:
         for label, kwargs in (("flash_attention", {"attention": "flash"}),
                               ("torch_sampling", {"fused_sampling": False}),
@@ -260,6 +265,27 @@ def variant(res, label: str, model, prompts, params, max_model_len: int, concurr
     timed_generate(engine, prompts, params)
     _, seconds, tokens = timed_generate(engine, prompts, params)
     res.add(f"variant_{label}", {"tok_s": tokens / seconds, "s": seconds})
+
+
+def tiled_engine(res, tiling: str, model, prompts, params, max_model_len: int, concurrency: int, low: int) -> None:
+    """The engine with another tiling of its decode attention: tokens/s and the decode step."""
+    import functools
+
+    from stages.rollout import triton_kernels
+
+    split, block_n, warps, stages = (int(x) if x not in ("", "-") else None for x in tiling.split(","))
+    free_memory()
+    default = triton_kernels.decode_attention
+    triton_kernels.decode_attention = functools.partial(default, split=split, block_n=block_n, num_warps=warps,
+                                                        num_stages=stages)
+    try:
+        engine = CudaRolloutEngine(model, model.config.eos_token_id, max_num_seqs=concurrency,
+                                   max_model_len=max_model_len)
+    finally:
+        triton_kernels.decode_attention = default  # the engine took its own reference
+    timed_generate(engine, prompts, params)
+    _, seconds, tokens = timed_generate(engine, prompts, params)
+    res.add(f"tiling_{tiling}", {"tok_s": tokens / seconds, **decode_step_seconds(engine, low, max_model_len - 64)})
 
 
 def fp8_engine(res, model, prompts, params, max_model_len: int, concurrency: int, low: int, ceilings: dict) -> None:
@@ -306,6 +332,9 @@ def summary(res: Results, mean_context: float) -> None:
                   f"{f['logprob_engine_vs_trainer_bf16_mean']:.4f}", ""),
                  ("  fp8 logprob gap to fp32 max / mean",
                   f"{f['logprob_engine_vs_fp32_max']:.3f} / {f['logprob_engine_vs_fp32_mean']:.4f}", "")]
+    for key in [k for k in d if k.startswith("tiling_")]:
+        rows.append((key + " tok/s | decode step ms", f"{d[key].get('tok_s', 0):,.0f} | {d[key].get('step_ms', 0):.3f}",
+                     d[key].get("error", "")))
     for key in [k for k in d if k.startswith("variant_")]:
         rows.append((key + " tok/s", d[key].get("tok_s", d[key].get("error", "?")), ""))
     rows.append(("matmul TFLOP/s | copy TB/s", f"{d['ceilings']['bf16_matmul_tflops']:.0f} | "
