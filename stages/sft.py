@@ -134,13 +134,14 @@ def sft_batch(examples: list[SFTExample], pad_id: int) -> Batch:
 
 
 def sft_policy(model: torch.nn.Module, cuda: bool) -> TokenLogprobs:
-    """The model as SFT trains it: the RL actor's token-logprob module (rows packed without padding where the
-    architecture allows, the vocabulary projected in chunks, so full-vocabulary logits never exist for the whole
-    micro-batch), with compiled layers and head on CUDA."""
+    """The model as SFT trains it: the RL actor's token-logprob module (the vocabulary projected in chunks, so
+    full-vocabulary logits never exist for the whole micro-batch). On CUDA, as the actor's automatic settings:
+    rows packed without padding where the architecture allows, compiled layers and head (on a CPU the padded
+    batch is faster: the packed attention loops over sequences there)."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     if cuda:
         compile_layers(model)
-    return TokenLogprobs(model, pack=packing_unsupported(hf.config) is None, compile_head=cuda)
+    return TokenLogprobs(model, pack=cuda and packing_unsupported(hf.config) is None, compile_head=cuda)
 
 
 def summed_token_nll(policy: TokenLogprobs, batch: Batch) -> torch.Tensor:

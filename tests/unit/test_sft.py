@@ -49,9 +49,9 @@ def test_loss_is_summed_over_response_tokens_only(tiny_config, tiny_model_dir):
     # example 0 predicts ids[3]=8 at position 2 and ids[4]=9 at 3; example 1 ids[2]=7 at 1; example 2 (multi-turn,
     # its second response token a tool token) ids[2]=7 at 1 and ids[4]=9 at 3
     expected = -(logp[0][2, 8] + logp[0][3, 9] + logp[1][1, 7] + logp[2][1, 7] + logp[2][3, 9])
+    assert not sft_policy(model, cuda=False).pack  # the padded batch on a CPU; packed rows on CUDA (below)
     for pack in (True, False):
-        policy = sft_policy(model, cuda=False) if pack else TokenLogprobs(model)
-        assert policy.pack == pack
+        policy = TokenLogprobs(model, pack=pack)
         torch.testing.assert_close(summed_token_nll(policy, sft_batch(ex, pad_id=0)), expected, rtol=1e-6, atol=1e-6)
     assert num_target_tokens(ex) == 5
 
