@@ -155,9 +155,9 @@ def summed_token_nll(policy: TokenLogprobs, batch: Batch) -> torch.Tensor:
 
 
 def num_target_tokens(examples: list[SFTExample]) -> int:
-    """Loss tokens: the responses' tokens, but for a multi-turn example's tool tokens."""
-    return sum(sum(e.loss_mask) if e.loss_mask is not None else len(e.input_ids) - e.num_prompt_tokens
-               for e in examples)
+    """Loss tokens: the responses' tokens, but for a multi-turn example's tool tokens (at least 1: a divisor)."""
+    return max(1, sum(sum(e.loss_mask) if e.loss_mask is not None else len(e.input_ids) - e.num_prompt_tokens
+                      for e in examples))
 
 
 def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], micro_batch_size: int,
