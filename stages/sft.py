@@ -35,7 +35,7 @@ from stages.model.loading import (
     tool_turn_ids,
 )
 from stages.model.optim import build_optimizer, build_scheduler
-from stages.model.policy import TokenLogprobs, compile_layers, pack_rows, packing_unsupported
+from stages.model.policy import TokenLogprobs, compile_layers, host_inputs, packing_unsupported
 from stages.model.safe_load import load_state
 
 logger = logging.getLogger(__name__)
@@ -138,19 +138,15 @@ def sft_policy(model: torch.nn.Module, cuda: bool) -> TokenLogprobs:
     full-vocabulary logits never exist for the whole micro-batch). On CUDA, as the actor's automatic settings:
     rows packed without padding where the architecture allows, compiled layers and head (on a CPU the padded
     batch is faster: the packed attention loops over sequences there)."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     if cuda:
         compile_layers(model)
-    return TokenLogprobs(model, pack=cuda and packing_unsupported(hf.config) is None, compile_head=cuda)
+    return TokenLogprobs(model, pack=cuda and packing_unsupported(model.config) is None, compile_head=cuda)
 
 
 def summed_token_nll(policy: TokenLogprobs, batch: Batch) -> torch.Tensor:
     """Sum over the loss tokens of -log p(token | prefix), on the model's device."""
     device = next(policy.parameters()).device
-    inputs = batch.model_inputs()
-    if policy.pack:  # packed on the host: reading lengths on the device would make the host wait
-        inputs["packed"] = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["num_response_tokens"])
-    logprobs, _ = policy(**to_device(inputs, device))
+    logprobs, _ = policy(**to_device(host_inputs(batch, policy.pack), device))
     return -(logprobs * batch.response_mask.to(device)).sum()
 
 

@@ -217,6 +217,16 @@ class TokenLogprobs(nn.Module):
 # ---- packing ---------------------------------------------------------------------------------------------
 
 
+def host_inputs(batch, pack: bool, group: dist.ProcessGroup | None = None) -> dict:
+    """A batch's model inputs (`Batch.model_inputs`, on the host), with its rows packed there when the module packs
+    (this rank's slice under a Ulysses `group`): packing on the device would make the host wait for lengths."""
+    inputs = batch.model_inputs()
+    if pack:
+        packed = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["num_response_tokens"])
+        inputs["packed"] = sequence_parallel_rows(packed, group)
+    return inputs
+
+
 def sequence_parallel_rows(packed: dict, group: dist.ProcessGroup | None) -> dict:
     """`packed` (`pack_rows`) with this rank's slice of the row under "sequence_parallel" (`split_packed`) when
     there is a group; as given otherwise."""

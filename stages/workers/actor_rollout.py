@@ -47,9 +47,8 @@ from stages.model.loading import compute_dtype, enable_checkpointing, load_model
 from stages.model.policy import (
     TokenLogprobs,
     compile_layers,
-    pack_rows,
+    host_inputs,
     packing_unsupported,
-    sequence_parallel_rows,
 )
 from stages.model.sequence_parallel import check_heads, sequence_parallel_group
 from stages.rollout.base import RolloutOutput, SamplingParams
@@ -258,11 +257,7 @@ class ActorRolloutWorker:
         models pack, and split over this rank's Ulysses group unless `split` is False (every rank then runs its own
         rows alone; see `to_device`: the host never waits for the device here)."""
         if isinstance(values, Batch):
-            inputs = values.model_inputs()
-            if self.actor.pack:
-                packed = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["num_response_tokens"])
-                inputs["packed"] = sequence_parallel_rows(packed, self.sp_group if split else None)
-            values = inputs
+            values = host_inputs(values, self.actor.pack, self.sp_group if split else None)
         return to_device(values, self.device)
 
     # ---- training ----------------------------------------------------------------------------------
