@@ -27,11 +27,12 @@ Deviations from vLLM: no paged KV cache (each slot holds `max_model_len` positio
 whole finished sequences (not shared between prompts with a common start), no chunked prefill; admission is by
 whole prompts (all n samples together).
 
-Kernels: on CUDA with Triton, decode attention is split-KV flash-decoding and sampling one fused pass
-over the logits (triton_kernels.py); the pointwise work between matmuls is torch.compile'd (cuda_model.py).
+Kernels: on CUDA with Triton, the decode step's rotation and K/V write are one kernel, its attention is
+split-KV flash-decoding and sampling one pass over the logits plus a small draw (triton_kernels.py); the other
+pointwise work between matmuls is torch.compile'd (cuda_model.py).
 Sampling and logprobs: stages/rollout/sampling.py (the convention of base.py). With the same seed,
 prompts, weights and engine settings, outputs are identical (graphs are captured with the RNG state and
-the slot counters saved and restored); the fused sampler's noise is keyed by a seed drawn from torch's
+the slot counters saved and restored); the fused sampler's draws are keyed by a seed drawn from torch's
 generator, so CPU and CUDA draw different samples for one seed.
 Weights: `update_weights` copies an HF state dict into the engine's own fused weights in place, so the
 captured graphs stay valid. On a machine without CUDA the same code runs eagerly (tests use that).

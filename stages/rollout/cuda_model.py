@@ -208,12 +208,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def attn_inputs(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, eps: float, num_heads: int,
-                num_kv_heads: int):
-    """(N, H) hidden -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D); q and k normed per head first when
-    the model has q/k norms (Qwen3)."""
-    x = rms_norm(h, norm_w, eps)
-    qkv = linear(x, qkv_w, qkv_b)
+def attn_inputs(h, delta, norm_w, qkv_w, qkv_b, eps: float):
+    """The residual stream h + delta (delta: the previous layer's MLP output, None for the first layer) and its
+    qkv projection (N, (heads + 2 kv_heads) D).
+
+    A residual add stays out of the function that makes its matmul: inductor would otherwise fold it into the
+    matmul (addmm), whose extra copy of h cost two device copies a layer in the decode step."""
+    if delta is not None:
+        h = h + delta
+    return h, linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+
+
+def rotate(qkv, q_norm_w, k_norm_w, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
+    """qkv (N, (heads + 2 kv_heads) D) -> rotated q (N, heads, D), rotated k and v (N, kv_heads, D); q and k normed
+    per head first when the model has q/k norms (Qwen3)."""
     d = cos.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d)
@@ -223,16 +231,15 @@ def attn_inputs(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, eps: floa
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(-1, num_kv_heads, d)
 
 
-def attn_output_and_mlp(h, attn, o_w, o_b, norm_w, gate_up_w, down_w, eps: float):
-    """Residual stream after the attention projection and the SwiGLU MLP: (N, H)."""
-    h = h + linear(attn, o_w, o_b)
-    x = rms_norm(h, norm_w, eps)
-    gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, down_w)
+def mlp(h, attn_out, norm_w, gate_up_w, down_w, eps: float):
+    """(residual stream h + attn_out, the SwiGLU MLP's output on it): both (N, H)."""
+    h = h + attn_out
+    gate, up = linear(rms_norm(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h, linear(F.silu(gate) * up, down_w)
 
 
-def final_norm(h, norm_w, eps: float):
-    return rms_norm(h, norm_w, eps)
+def final_norm(h, delta, norm_w, eps: float):
+    return rms_norm(h + delta, norm_w, eps)
 
 
 class Decoder:
@@ -246,9 +253,9 @@ class Decoder:
         if attention == "flash" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError("attention='flash' needs a CUDA device and bfloat16/float16 weights; use 'sdpa'")
         if attention == "triton":
-            from stages.rollout.triton_kernels import decode_attention, write_kv
+            from stages.rollout.triton_kernels import decode_attention, rope_write
 
-            self._triton_attention, self._triton_write = decode_attention, write_kv
+            self._triton_attention, self._triton_rope_write = decode_attention, rope_write
         self.device, self.dtype, self.attention = device, dtype, attention
         self.max_slots, self.max_len = max_slots, max_len
         self.weights = DecoderWeights(self.shape, device, dtype, fp8)
@@ -263,7 +270,9 @@ class Decoder:
         # automatic dynamic shapes: a second token count recompiles once with that dimension symbolic
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if compile else (lambda f: f)
         self._attn_inputs = wrap(attn_inputs)
-        self._attn_output_and_mlp = wrap(attn_output_and_mlp)
+        self._rotate = wrap(rotate)
+        self._o_proj = wrap(linear) if fp8 else linear  # fp8: the activations' quantisation, compiled
+        self._mlp = wrap(mlp)
         self._final_norm = wrap(final_norm)
         self._cu_q = torch.arange(max_slots + 1, device=device, dtype=torch.int32)  # one query per slot
         self._cu_k = self._cu_q * max_len  # each slot's cache region in the flattened cache
@@ -293,16 +302,27 @@ class Decoder:
         s = self.shape
         return s.num_layers * 2 * self.max_slots * self.max_len * s.kv_size * self.weights.embed.element_size()
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._final_norm(h, self.weights.final_norm, self.shape.eps), self.weights.lm_head)
+    def _logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._final_norm(h, delta, self.weights.final_norm, self.shape.eps), self.weights.lm_head)
 
-    def _layer(self, i: int, h, cos, sin, attend) -> torch.Tensor:
+    def _layer(self, i: int, h, delta, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i on the residual stream h + delta -> (its residual stream, its MLP output): the add is done by
+        the next layer's first kernel. attend(i, qkv) -> attention output (N, heads, D)."""
         w, s = self.weights, self.shape
         qkv_w, o_w, gate_up, down = w.projections(i)
-        q, k, v = self._attn_inputs(h, w.in_norm[i], qkv_w, w.qkv_b[i], w.q_norm[i], w.k_norm[i], cos, sin,
-                                    s.eps, s.num_heads, s.num_kv_heads)
-        attn = attend(i, q, k, v).reshape(-1, s.q_size)
-        return self._attn_output_and_mlp(h, attn, o_w, w.o_b[i], w.post_norm[i], gate_up, down, s.eps)
+        h, qkv = self._attn_inputs(h, delta, w.in_norm[i], qkv_w, w.qkv_b[i], s.eps)
+        attn = self._o_proj(attend(i, qkv).reshape(-1, s.q_size), o_w, w.o_b[i])
+        return self._mlp(h, attn, w.post_norm[i], gate_up, down, s.eps)
+
+    def _layers(self, ids: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        h, delta = F.embedding(ids, self.weights.embed), None
+        for i in range(self.shape.num_layers):
+            h, delta = self._layer(i, h, delta, attend)
+        return h, delta
+
+    def _rotated(self, i: int, qkv, cos, sin):
+        w, s = self.weights, self.shape
+        return self._rotate(qkv, w.q_norm[i], w.k_norm[i], cos, sin, s.eps, s.num_heads, s.num_kv_heads)
 
     @torch.no_grad()
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, dst_slot, dst_pos, src_token, last_token,
@@ -316,18 +336,18 @@ class Decoder:
         already there), and attend to its first kv_len[p] positions, causally (the queries are the last ones).
         """
 
-        def attend(i, q, k, v):
+        cos, sin = self.cos[positions], self.sin[positions]
+
+        def attend(i, qkv):
+            q, k, v = self._rotated(i, qkv, cos, sin)
             self.kv[i, 0].index_put_((dst_slot, dst_pos), k[src_token])
             self.kv[i, 1].index_put_((dst_slot, dst_pos), v[src_token])
             if context is None:
                 return packed_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
             return self._cached_attention(i, q, cu_seqlens, max_seqlen, *context)
 
-        h = F.embedding(ids, self.weights.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
-        for i in range(self.shape.num_layers):
-            h = self._layer(i, h, cos, sin, attend)
-        return self._logits(h[last_token])
+        h, delta = self._layers(ids, attend)
+        return self._logits(h[last_token], delta[last_token])
 
     def _cached_attention(self, i, q, cu_q, max_q: int, read_slot, kv_len, max_kv: int) -> torch.Tensor:
         """Queries (the last tokens of each prompt) over their slot's cache: flash varlen on CUDA, sdpa else."""
@@ -361,26 +381,29 @@ class Decoder:
         """
         b = ids.shape[0]
         rows = self._cu_q[:b].long()
-        if self.attention in ("flash", "triton"):
+        if self.attention == "triton":
             used = (positions + 1).to(torch.int32)
-            decode = self._flash_decode if self.attention == "flash" else self._triton_decode
-            attend = lambda i, q, k, v: decode(i, q, k, v, rows, positions, used)  # noqa: E731
+            attend = lambda i, qkv: self._triton_decode(i, qkv, positions, used)  # noqa: E731
         else:
-            valid = torch.arange(kv_len, device=ids.device)[None, :] <= positions[:, None]  # (B, T)
-            attend = lambda i, q, k, v: self._sdpa_decode(i, q, k, v, rows, positions, valid)  # noqa: E731
-        h = F.embedding(ids, self.weights.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
-        for i in range(self.shape.num_layers):
-            h = self._layer(i, h, cos, sin, attend)
-        return self._logits(h)
+            cos, sin = self.cos[positions], self.sin[positions]
+            if self.attention == "flash":
+                used = (positions + 1).to(torch.int32)
+                decode = lambda i, q, k, v: self._flash_decode(i, q, k, v, rows, positions, used)  # noqa: E731
+            else:
+                valid = torch.arange(kv_len, device=ids.device)[None, :] <= positions[:, None]  # (B, T)
+                decode = lambda i, q, k, v: self._sdpa_decode(i, q, k, v, rows, positions, valid)  # noqa: E731
+            attend = lambda i, qkv: decode(i, *self._rotated(i, qkv, cos, sin))  # noqa: E731
+        return self._logits(*self._layers(ids, attend))
 
     def _write(self, i, k, v, rows, positions) -> None:
         self.kv[i, 0].index_put_((rows, positions), k)
         self.kv[i, 1].index_put_((rows, positions), v)
 
-    def _triton_decode(self, i, q, k, v, rows, positions, used):
-        b = q.shape[0]
-        self._triton_write(k, v, self.kv[i, 0], self.kv[i, 1], positions)  # rows are 0..B-1
+    def _triton_decode(self, i, qkv, positions, used):
+        """Rotation (and Qwen3's q/k norms) and the K/V write in one kernel, then split-KV attention."""
+        b, w, s = qkv.shape[0], self.weights, self.shape
+        q = self._triton_rope_write(qkv, self.cos, self.sin, positions, s.num_heads, self.kv[i, 0], self.kv[i, 1],
+                                    w.q_norm[i], w.k_norm[i], s.eps)
         return self._triton_attention(q, self.kv[i, 0, :b], self.kv[i, 1, :b], used, self.scale)
 
     def _flash_decode(self, i, q, k, v, rows, positions, used):

@@ -54,9 +54,9 @@ def restrict(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class Sampler:
     """sample(logits (B, V), mode) -> tokens (B,), logprobs (B,); `inv_temperature` is a 0-d tensor input.
 
-    fused (CUDA + Triton): plain and greedy sampling run as triton_kernels.sample, whose noise is a hash
-    of (`seed`, position) rather than torch's generator; `seed` is bumped after every call, so a graph
-    replay draws fresh noise. Top-k/top-p always take the torch path.
+    fused (CUDA + Triton): plain and greedy sampling run as triton_kernels.sample (inverse transform, one
+    uniform per row, a hash of (`seed`, row) rather than torch's generator); `seed` is bumped after every
+    call, so a graph replay draws afresh. Top-k/top-p always take the torch path.
     """
 
     def __init__(self, device: torch.device, compile: bool, fused: bool = False):

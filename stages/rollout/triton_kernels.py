@@ -8,11 +8,12 @@ kernel combines the splits. Only the valid entries are read, and every sequence'
 many programs (a per-sequence kernel is latency-bound at decode: the flash kernel took ~46 us per layer
 at 256 sequences here, for ~7 us of bytes).
 
-sample: one pass over the bf16 logits in splits of the vocabulary per row: running max and sum of exp
-(log-sum-exp), and the Gumbel-max choice argmax(x - log(-log u)) (argmax x when greedy), then a small
-kernel combines the splits and gathers the chosen token's logprob. x = logits * inv_temperature in fp32.
-u is a counter-based hash of (seed, row * V + column) (lowbias32, 24 bits), so no uniform tensor is
-written or read: the engine bumps the seed tensor once per step (inside its CUDA graph).
+sample: one pass over the bf16 logits in 32 splits of the vocabulary per row: each split's max and sum of
+exp (one exp per logit; its argmax when greedy); then one program per row combines the splits into the
+log-sum-exp and draws its token by inverse transform: u * total is located first among the splits' sums,
+then by a cumulative sum within the one split that holds it (an exact draw from softmax(x), with no noise per
+logit). x = logits * inv_temperature in fp32. u is a hash of (seed, row) (lowbias32, 24 bits), so no
+uniform tensor is written or read: the engine bumps the seed tensor once per step (inside its CUDA graph).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def _decode_split_kernel(Q, K, V, LENS, O_PART, LSE_PART, scale, stride_qb, stri
     start = s * SPLIT
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
     if start < length:
+        m = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
         q = tl.load(Q + b * stride_qb + (kvh * GROUPS + g)[:, None] * stride_qh + d[None, :],
                     mask=(g < GROUPS)[:, None], other=0.0)
         for n0 in range(0, SPLIT, BLOCK_N):
@@ -54,23 +55,23 @@ def _decode_split_kernel(Q, K, V, LENS, O_PART, LSE_PART, scale, stride_qb, stri
             total = total * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    base = b * stride_ob + kvh * stride_oh + s * stride_os
-    tl.store(O_PART + base + g[:, None] * D + d[None, :], out, mask=(g < GROUPS)[:, None])  # real heads only
-    tl.store(LSE_PART + b * stride_lb + kvh * stride_lh + s * GP + g, lse, mask=g < GROUPS)
+        # a split past the sequence's end writes nothing: the combine reads only the sequence's own splits
+        base = b * stride_ob + kvh * stride_oh + s * stride_os
+        tl.store(O_PART + base + g[:, None] * D + d[None, :], acc / total[:, None], mask=(g < GROUPS)[:, None])
+        tl.store(LSE_PART + b * stride_lb + kvh * stride_lh + s * GP + g, m + tl.log(total), mask=g < GROUPS)
 
 
 @triton.jit
-def _decode_combine_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb,
-                           NUM_SPLITS, GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+def _decode_combine_kernel(O_PART, LSE_PART, LENS, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                           stride_outb, GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+                           SPLIT: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     kvh, g = h // GROUPS, h % GROUPS
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
-    used = s < NUM_SPLITS
+    used = s < tl.cdiv(tl.load(LENS + b), SPLIT)  # the sequence's own splits (>= 1: every length is >= 1)
     lse = tl.load(LSE_PART + b * stride_lb + kvh * stride_lh + s * GP + g, mask=used, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: every sequence has >= 1 entry
+    weights = tl.exp(lse - tl.max(lse, 0))
     parts = tl.load(O_PART + b * stride_ob + kvh * stride_oh + s[:, None] * stride_os + g * D + d[None, :],
                     mask=used[:, None], other=0.0)
     out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
@@ -101,101 +102,144 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b, heads)](
-        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), splits, GROUPS=groups, GP=gp, D=dim,
-        SP=triton.next_power_of_2(splits), num_warps=2,
+        o_part, lse_part, lengths, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), GROUPS=groups, GP=gp, D=dim, SP=triton.next_power_of_2(splits),
+        SPLIT=split, num_warps=2,
     )
     return out
 
 
 @triton.jit
-def _write_kv_kernel(K, V, K_CACHE, V_CACHE, POS, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_ct,
-                     stride_ch, KV_HEADS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+def _rotate_heads(QKV, first, n, W, eps, cos, sin, d, QK_NORM: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+    """Heads [first, first + n) of one token's qkv row, rotated (after a per-head RMSNorm with Qwen3): (HP, D) fp32."""
+    h = tl.arange(0, HP)[:, None]
+    partner = (d + D // 2) % D
+    mask = h < n
+    x = tl.load(QKV + (first + h) * D + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(QKV + (first + h) * D + partner, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # stages/rollout/cuda_model.py rms_norm: weight * (x * rsqrt(mean x^2 + eps)) in the row's dtype
+        dtype = QKV.dtype.element_ty
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        x = (tl.load(W + d).to(tl.float32) * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xp = (tl.load(W + partner).to(tl.float32) * (xp * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x * cos + tl.where(d < D // 2, -xp, xp) * sin
+
+
+@triton.jit
+def _rope_write_kernel(QKV, COS, SIN, POS, Q_OUT, K_CACHE, V_CACHE, Q_NORM, K_NORM, eps, stride_qkv, stride_cos,
+                       stride_cb, stride_ct, stride_ch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HP: tl.constexpr,
+                       KP: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
     b = tl.program_id(0)
     pos = tl.load(POS + b)
-    h = tl.arange(0, HP)[:, None]
     d = tl.arange(0, D)[None, :]
-    mask = h < KV_HEADS
-    dst = b * stride_cb + pos * stride_ct + h * stride_ch + d
-    tl.store(K_CACHE + dst, tl.load(K + b * stride_kb + h * stride_kh + d, mask=mask), mask=mask)
-    tl.store(V_CACHE + dst, tl.load(V + b * stride_vb + h * stride_vh + d, mask=mask), mask=mask)
+    cos = tl.load(COS + pos * stride_cos + d).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_cos + d).to(tl.float32)
+    row = QKV + b * stride_qkv
+    dtype = Q_OUT.dtype.element_ty
+    h = tl.arange(0, HP)[:, None]
+    q = _rotate_heads(row, 0, HEADS, Q_NORM, eps, cos, sin, d, QK_NORM, HP, D)
+    tl.store(Q_OUT + (b * HEADS + h) * D + d, q.to(dtype), mask=h < HEADS)
+    k = _rotate_heads(row, HEADS, KV_HEADS, K_NORM, eps, cos, sin, d, QK_NORM, KP, D)
+    hk = tl.arange(0, KP)[:, None]
+    dst = b * stride_cb + pos * stride_ct + hk * stride_ch + d
+    tl.store(K_CACHE + dst, k.to(dtype), mask=hk < KV_HEADS)
+    v = tl.load(row + (HEADS + KV_HEADS + hk) * D + d, mask=hk < KV_HEADS)
+    tl.store(V_CACHE + dst, v, mask=hk < KV_HEADS)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             positions: torch.Tensor) -> None:
-    """k, v (B, H_kv, D) (unit stride in D) into the caches (>= B, T, H_kv, D, same strides) at row b, positions[b]."""
-    b, kv_heads, dim = k.shape
-    assert k_cache.stride() == v_cache.stride() and k.stride(2) == v.stride(2) == 1
-    _write_kv_kernel[(b,)](k, v, k_cache, v_cache, positions, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads,
-                           HP=triton.next_power_of_2(kv_heads), D=dim, num_warps=1)
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, heads: int,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """One decode token per row: qkv (B, (H + 2 H_kv) D) contiguous -> rotated q (B, H, D); k rotated and v written
+    into the caches (>= B, T, H_kv, D, same strides) at row b, positions[b]. cos, sin: (T, D) tables indexed by
+    position; q_norm, k_norm: Qwen3's per-head RMSNorm weights (D,), applied before the rotation."""
+    b = qkv.shape[0]
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    assert qkv.is_contiguous() and k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride()
+    q = torch.empty(b, heads, dim, device=qkv.device, dtype=qkv.dtype)
+    _rope_write_kernel[(b,)](qkv, cos, sin, positions, q, k_cache, v_cache, q_norm, k_norm, eps, qkv.stride(0),
+                             cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HEADS=heads,
+                             KV_HEADS=kv_heads, HP=triton.next_power_of_2(heads),
+                             KP=triton.next_power_of_2(kv_heads), D=dim, QK_NORM=q_norm is not None, num_warps=2)
+    return q
 
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 (Chris Wellons): a 32-bit avalanche hash; x int64 in [0, 2^32)."""
+    """lowbias32 (Chris Wellons): a 32-bit avalanche hash of a uint32."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
 @triton.jit
-def _sample_split_kernel(LOGITS, stride_row, vocab, INV_T, SEED, PART_M, PART_S, PART_Z, PART_I, num_splits,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+def _sample_split_kernel(LOGITS, stride_row, vocab, INV_T, PART_M, PART_S, PART_I, num_splits, CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+    """Split `sp` of a row: its max m and sum of exp(x - m) (x = logits * inv_t), and its argmax when greedy."""
     row, sp = tl.program_id(0), tl.program_id(1)
     inv_t = tl.load(INV_T)
-    key = _mix32((tl.load(SEED) & 0xFFFFFFFF) ^ 0x9E3779B9)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int64)
+    best_i = tl.zeros([BLOCK], tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
         col = sp * CHUNK + c0 + tl.arange(0, BLOCK)
-        valid = col < vocab
-        x = tl.load(LOGITS + row * stride_row + col, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, x)  # element-wise running max and sum: reduced once at the end
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        total = total * tl.exp(m - m_safe) + tl.where(valid, tl.exp(x - m_safe), 0.0)
+        x = tl.load(LOGITS + row * stride_row + col, mask=col < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(x, 0))  # a split's first block always has a real column
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
         m = m_new
-        z = x
-        if not GREEDY:
-            h = _mix32(((row.to(tl.int64) * vocab + col) ^ key) & 0xFFFFFFFF)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            z = x - tl.log(-tl.log(u))
-        z = tl.where(valid, z, float("-inf"))
-        take = z > best
-        best = tl.where(take, z, best)
-        best_i = tl.where(take, col.to(tl.int64), best_i)
-    row_m = tl.max(m, 0)
-    row_s = tl.sum(total * tl.exp(m - tl.where(row_m == float("-inf"), 0.0, row_m)), 0)
-    j = tl.argmax(best, 0)
-    lane = tl.arange(0, BLOCK)
+        if GREEDY:
+            take = x > best
+            best = tl.where(take, x, best)
+            best_i = tl.where(take, col, best_i)
     out = row * num_splits + sp
-    tl.store(PART_M + out, row_m)
-    tl.store(PART_S + out, row_s)
-    tl.store(PART_Z + out, tl.max(best, 0))
-    tl.store(PART_I + out, tl.sum(tl.where(lane == j, best_i, 0), 0))
+    tl.store(PART_M + out, m)
+    tl.store(PART_S + out, total)
+    if GREEDY:
+        j = tl.argmax(best, 0)
+        tl.store(PART_I + out, tl.sum(tl.where(tl.arange(0, BLOCK) == j, best_i, 0), 0))
 
 
 @triton.jit
-def _sample_combine_kernel(LOGITS, stride_row, INV_T, PART_M, PART_S, PART_Z, PART_I, TOKENS, LOGPROBS, num_splits,
-                           SP: tl.constexpr):
+def _sample_pick_kernel(LOGITS, stride_row, vocab, INV_T, SEED, PART_M, PART_S, PART_I, TOKENS, LOGPROBS, num_splits,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, GREEDY: tl.constexpr):
+    """A row's log-sum-exp from its splits, then its token: the argmax (greedy), or the first column where the
+    cumulative sum of exp(x - max) reaches u * total (inverse transform; only the split holding it is scanned)."""
     row = tl.program_id(0)
+    inv_t = tl.load(INV_T)
     s = tl.arange(0, SP)
     used = s < num_splits
     m = tl.load(PART_M + row * num_splits + s, mask=used, other=float("-inf"))
-    total = tl.load(PART_S + row * num_splits + s, mask=used, other=0.0)
-    z = tl.load(PART_Z + row * num_splits + s, mask=used, other=float("-inf"))
-    idx = tl.load(PART_I + row * num_splits + s, mask=used, other=0)
     top = tl.max(m, 0)
-    lse = top + tl.log(tl.sum(total * tl.exp(m - top), 0))
-    j = tl.argmax(z, 0)
-    token = tl.sum(tl.where(s == j, idx, 0), 0)
-    x = tl.load(LOGITS + row * stride_row + token).to(tl.float32) * tl.load(INV_T)
-    tl.store(TOKENS + row, token)
-    tl.store(LOGPROBS + row, x - lse)
+    mass = tl.load(PART_S + row * num_splits + s, mask=used, other=0.0) * tl.exp(m - top)  # relative to exp(top)
+    row_total = tl.sum(mass, 0)
+    if GREEDY:
+        part_i = tl.load(PART_I + row * num_splits + s, mask=used, other=0)
+        token = tl.sum(tl.where(s == tl.argmax(m, 0), part_i, 0), 0)
+    else:
+        key = _mix32(tl.load(SEED).to(tl.uint32) ^ 0x9E3779B9)
+        u = ((_mix32(row.to(tl.uint32) ^ key) >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        target = u * row_total
+        before = tl.cumsum(mass, 0) - mass
+        chosen = tl.max(tl.where(used & (before < target) & (mass > 0), s, 0), 0)  # last split starting below it
+        remaining = target - tl.sum(tl.where(s == chosen, before, 0.0), 0)
+        running = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        token = tl.min(tl.full([BLOCK], 2147483647, tl.int32), 0)
+        last = tl.max(tl.full([BLOCK], -1, tl.int32), 0)
+        for c0 in range(0, CHUNK, BLOCK):
+            col = chosen * CHUNK + c0 + tl.arange(0, BLOCK)
+            x = tl.load(LOGITS + row * stride_row + col, mask=col < vocab, other=float("-inf")).to(tl.float32)
+            e = tl.exp(x * inv_t - top)
+            reached = (tl.cumsum(e, 0) + running >= remaining) & (e > 0)
+            token = tl.minimum(token, tl.min(tl.where(reached, col, 2147483647), 0))
+            last = tl.maximum(last, tl.max(tl.where(e > 0, col, -1), 0))
+            running += tl.sum(e, 0)
+        token = tl.where(token == 2147483647, last, token)  # rounding left the target past the split's sum
+    x = tl.load(LOGITS + row * stride_row + token).to(tl.float32) * inv_t
+    tl.store(TOKENS + row, token.to(tl.int64))
+    tl.store(LOGPROBS + row, x - top - tl.log(row_total))
 
 
 def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: torch.Tensor,
@@ -203,15 +247,16 @@ def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: torch.Tens
     """logits (B, V) (unit stride in V) -> tokens (B,) int64, logprobs (B,) fp32; see the module docstring."""
     rows, vocab = logits.shape
     block = 1024
-    chunk = triton.cdiv(triton.cdiv(vocab, 16), block) * block  # 16 splits of the vocabulary per row
+    chunk = triton.cdiv(triton.cdiv(vocab, 32), block) * block  # 32 splits of the vocabulary per row
     splits = triton.cdiv(vocab, chunk)
     dev = logits.device
-    part_m, part_s, part_z = (torch.empty(rows, splits, device=dev, dtype=torch.float32) for _ in range(3))
-    part_i = torch.empty(rows, splits, device=dev, dtype=torch.int64)
-    _sample_split_kernel[(rows, splits)](logits, logits.stride(0), vocab, inv_temperature, seed, part_m, part_s, part_z,
-                                         part_i, splits, CHUNK=chunk, BLOCK=block, GREEDY=greedy, num_warps=4)
+    part_m, part_s = (torch.empty(rows, splits, device=dev, dtype=torch.float32) for _ in range(2))
+    part_i = torch.empty(rows, splits, device=dev, dtype=torch.int32)
+    _sample_split_kernel[(rows, splits)](logits, logits.stride(0), vocab, inv_temperature, part_m, part_s, part_i,
+                                         splits, CHUNK=chunk, BLOCK=block, GREEDY=greedy, num_warps=4)
     tokens = torch.empty(rows, device=dev, dtype=torch.int64)
     logprobs = torch.empty(rows, device=dev, dtype=torch.float32)
-    _sample_combine_kernel[(rows,)](logits, logits.stride(0), inv_temperature, part_m, part_s, part_z, part_i, tokens,
-                                    logprobs, splits, SP=triton.next_power_of_2(splits), num_warps=1)
+    _sample_pick_kernel[(rows,)](logits, logits.stride(0), vocab, inv_temperature, seed, part_m, part_s, part_i,
+                                 tokens, logprobs, splits, CHUNK=chunk, BLOCK=block, SP=triton.next_power_of_2(splits),
+                                 GREEDY=greedy, num_warps=4)
     return tokens, logprobs

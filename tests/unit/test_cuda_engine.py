@@ -400,20 +400,44 @@ def test_triton_sampler_follows_softmax_and_logprobs():
     assert not torch.equal(again, sample(small, inv, torch.tensor(4, device=dev), False)[0])
 
 
+@pytest.mark.skipif(_triton_device() != "cpu", reason="needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
+def test_triton_decode_path_equals_transformers_in_float32(arch):
+    """The decode step's Triton path (fused rotation + K/V write, split-KV attention) run by the interpreter in float32
+    gives transformers' greedy tokens (on a GPU the bf16 test above covers it)."""
+    model = tiny_model(arch)
+    batch = prompts(5)
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40, attention="triton", sync_every=2)
+    outs = engine.generate(batch, SamplingParams(n=2, temperature=0.0, max_tokens=20, stop_token_ids=(-5,)))
+    assert [o.response_ids for o in outs] == [hf_greedy(model, p, 20, -5) for p in batch for _ in range(2)]
+
+
 @pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
-def test_triton_write_kv_puts_each_row_at_its_position():
-    from stages.rollout.triton_kernels import write_kv
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_triton_rope_write_equals_the_compiled_path(qk_norm):
+    """The decode step's fused kernel (rotation, Qwen3's q/k norms, K/V written at each row's position) against
+    cuda_model.rotate + an indexed write."""
+    from stages.rollout.cuda_model import rotate
+    from stages.rollout.triton_kernels import rope_write
 
     dev = _triton_device()
-    cache = torch.zeros(2, 6, 10, 2, 64, device=dev)  # k and v caches: 6 slots, 10 positions
-    qkv = torch.randn(4, 5, 64, device=dev)  # rows with heads [q, q, q, k, k]...: k and v as strided views
-    k, v = qkv[:, 1:3], qkv[:, 3:5]
-    positions = torch.tensor([0, 9, 3, 3], device=dev)
-    write_kv(k, v, cache[0], cache[1], positions)
-    expected = torch.zeros(cache.shape)
-    expected[0, torch.arange(4), positions.cpu()] = k.cpu()
-    expected[1, torch.arange(4), positions.cpu()] = v.cpu()
-    assert torch.equal(cache.cpu(), expected)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, positions = 14, 2, 64, torch.tensor([0, 9, 3, 3])
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(dev, dtype)
+    angles = torch.arange(10)[:, None] * torch.rand(dim // 2, generator=g).repeat(2)[None]
+    cos, sin = angles.cos().to(dev, dtype), angles.sin().to(dev, dtype)
+    norms = (torch.rand(2, dim, generator=g) + 0.5).to(dev, dtype) if qk_norm else [None, None]
+    cache = torch.zeros(2, 6, 10, kv_heads, dim, device=dev, dtype=dtype)  # k and v caches: 6 slots, 10 positions
+    q = rope_write(qkv, cos, sin, positions.to(dev), heads, cache[0], cache[1], norms[0], norms[1], 1e-6)
+    want_q, k, v = rotate(qkv, norms[0], norms[1], cos[positions], sin[positions], 1e-6, heads, kv_heads)
+    expected = torch.zeros(cache.shape, dtype=dtype)
+    expected[0, torch.arange(4), positions] = k.cpu()
+    expected[1, torch.arange(4), positions] = v.cpu()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q.cpu(), want_q.cpu(), **tol)
+    torch.testing.assert_close(cache.cpu(), expected, **tol)
+    assert torch.equal(cache[1].cpu(), expected[1])  # v is copied
 
 
 def test_router_sends_a_continuation_to_the_engine_that_parked_it():
