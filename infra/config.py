@@ -313,8 +313,8 @@ class Config(Section):
             raise ValueError(f"rl.actor.ulysses_sequence_parallel_size={sp} must divide the number of trainer workers, "
                              f"ray.num_devices_per_node * ray.num_nodes = {workers}: change either")
         tp, engine = self.rl.rollout.tensor_model_parallel_size, self.rl.rollout.engine
-        if self.rl.enabled and tp > 1 and engine != "vllm":
-            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm (the {engine} "
+        if self.rl.enabled and tp > 1 and engine == "hf":
+            raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} needs rl.rollout.engine=vllm or cuda (the hf "
                              "engine runs on one device); set it to 1")
         if self.rl.enabled and self.rl.rollout.quantization and engine != "cuda":
             raise ValueError(f"rl.rollout.quantization={self.rl.rollout.quantization} needs rl.rollout.engine=cuda "

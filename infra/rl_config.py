@@ -138,9 +138,9 @@ class RolloutConfig(_Section):
     n: int = Field(8, gt=0, description="Samples per prompt.")
     max_num_seqs: int = Field(256, gt=0, description="vllm and cuda engines: sequences generated at once.")
     tensor_model_parallel_size: int = Field(
-        1, gt=0, description="vllm: GPUs per rollout engine (tensor parallel); the workers form groups of this many "
-        "consecutive ranks, each group one engine generating one share of the prompts. Must divide the number of "
-        "workers; other engines: 1.")
+        1, gt=0, description="vllm and cuda: GPUs per rollout engine (tensor parallel); the workers form groups of "
+        "this many consecutive ranks, each group one engine generating one share of the prompts. Must divide the "
+        "number of workers (and, for cuda, the model's attention heads and intermediate size); hf: 1.")
     free_cache_engine: bool | None = Field(
         None, description="cuda: free the engine's KV cache and CUDA graphs while the trainer works and allocate "
         "and capture them again for the next generation (verl's free_cache_engine; the vllm engine's sleep mode "

@@ -196,7 +196,7 @@ ROWS = [
     same(R + "top_k", "rl.rollout.top_k", "-1: off"),
     only(R + "do_sample", (True,), "training rollouts are sampled"),
     same(R + "gpu_memory_utilization", "rl.rollout.gpu_memory_utilization"),
-    same(R + "tensor_model_parallel_size", "rl.rollout.tensor_model_parallel_size", "vllm only"),
+    same(R + "tensor_model_parallel_size", "rl.rollout.tensor_model_parallel_size", "vllm and cuda"),
     same(R + "enforce_eager", "rl.rollout.enforce_eager"),
     same(R + "max_num_seqs", "rl.rollout.max_num_seqs"),
     same(R + "free_cache_engine", "rl.rollout.free_cache_engine", "cuda engine; vllm's sleep mode frees its cache on "

@@ -33,14 +33,19 @@ FIELD = "rl.actor.ulysses_sequence_parallel_size"
 
 
 def sequence_parallel_group(size: int) -> dist.ProcessGroup | None:
+    """This rank's SP group of `size` consecutive ranks; None when size is 1 (a collective: see consecutive_group)."""
+    return consecutive_group(size, FIELD)
+
+
+def consecutive_group(size: int, field: str) -> dist.ProcessGroup | None:
     """This rank's group of `size` consecutive ranks (ranks 0..P-1, P..2P-1, ...); None when size is 1. A
-    collective: every rank of the world creates every group, in the same order."""
+    collective: every rank of the world creates every group, in the same order. `field`: the setting that asked."""
     if size == 1:
         return None
     world = dist.get_world_size()
     if world % size:
-        raise ValueError(f"{FIELD}={size} must divide the number of trainer ranks, {world} "
-                         "(ray.num_devices_per_node * ray.num_nodes): change either")
+        raise ValueError(f"{field}={size} must divide the number of ranks, {world} "
+                         "(ray.num_devices_per_node * ray.num_nodes, or the rollout workers'): change either")
     groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
     return groups[dist.get_rank() // size]
 

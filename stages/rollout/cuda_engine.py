@@ -45,6 +45,7 @@ import time
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from stages.model.policy import hf_parts
 from stages.rollout.base import RolloutOutput, SamplingParams
@@ -97,6 +98,8 @@ class CudaRolloutEngine:
     (fp8.py; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
     release_memory_on_sleep: `sleep` frees the KV cache and the CUDA graphs (captured again as generation
     meets each batch size after `wake`); None: when the cache takes >= `FREE_CACHE_SHARE` of the GPU.
+    tensor_parallel_group: the ranks that form one engine (cuda_model.py): each calls `generate` with the same
+    prompts and parameters and all return the same outputs; without a seed they share the first rank's.
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, *, max_num_seqs: int = 256,
@@ -104,7 +107,8 @@ class CudaRolloutEngine:
                  dtype: torch.dtype | None = None, attention: str = "auto", use_cuda_graphs: bool | None = None,
                  compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
                  release_memory_on_sleep: bool | None = False, fused_sampling: bool | None = None,
-                 prefix_cache_rows: int = 0, quantization: str | None = None):
+                 prefix_cache_rows: int = 0, quantization: str | None = None,
+                 tensor_parallel_group: dist.ProcessGroup | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
@@ -133,7 +137,8 @@ class CudaRolloutEngine:
         body, _ = hf_parts(model)
         kv_len = max_model_len + sync_every  # finished sequences may overrun by sync_every - 1 steps
         self.decoder = Decoder(model.config, body.rotary_emb, self.device, self.dtype, max_num_seqs, kv_len,
-                               attention, on_cuda if compile is None else compile, fp8=quantization == "fp8")
+                               attention, on_cuda if compile is None else compile, fp8=quantization == "fp8",
+                               tp_group=tensor_parallel_group)
         self.decoder.weights.load(model.state_dict())
         self.release_memory_on_sleep = (_large_cache(self.decoder.kv_bytes(), self.device)
                                         if release_memory_on_sleep is None else release_memory_on_sleep)
@@ -148,6 +153,16 @@ class CudaRolloutEngine:
         self.wake()
 
     # ---- interface ---------------------------------------------------------------------------------
+
+    def param_count(self) -> int:
+        """Parameters this engine holds (this rank's share under tensor parallelism)."""
+        return self.decoder.weights.count()
+
+    def _group_seed(self) -> int:
+        group = self.decoder.tp_group
+        seed = torch.randint(0, 2**31 - 1, (1,), device=self.device)
+        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+        return int(seed.item())
 
     def update_weights(self, state) -> None:
         """A full HF state dict, or an iterable of (name, tensor) pairs (e.g. streamed layer by layer)."""
@@ -178,6 +193,8 @@ class CudaRolloutEngine:
         self._set_params(params)
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        elif self.decoder.tp_group is not None:  # the group's ranks must draw alike: the first rank's seed
+            torch.manual_seed(self._group_seed())
         self.sampler.seed.fill_(int(torch.randint(0, 2**31 - 1, (1,)).item()))  # the fused sampler's noise key
         self.stats = {"decode_steps": 0, "row_steps": 0, "padded_row_steps": 0, "prefill_tokens": 0,
                       "reused_tokens": 0, "prefill_s": 0.0, "capture_s": 0.0, "harvest_s": 0.0}

@@ -10,6 +10,10 @@ transformers model, with the same operation order as transformers so that greedy
   projections of every layer are quantised after each load (float8 e4m3, one scale per output channel,
   in place) and their bf16 copies emptied until the next load; activations are quantised per token as they
   come (fp8.py `linear`); embeddings, norms and the head stay in the engine's dtype;
+- tensor parallelism (a process group of ranks that run the same prompts in lockstep): each rank keeps its
+  share of the heads and of the MLP's width (DecoderWeights), and the o and down projections' partial outputs
+  are summed across the group (one all-reduce each per layer), so every rank holds the same residual stream,
+  logits and, with the same seed, tokens;
 - KV cache: (layers, 2, slots, max_len, kv_heads, head_dim), a sequence's tokens at positions 0.. of
   its slot; the engine moves slots around (compaction), this module only reads and writes them;
 - prefill: prompts packed without padding (position ids per prompt), causal attention within each
@@ -25,16 +29,17 @@ transformers model, with the same operation order as transformers so that greedy
   bucket of the engine's).
 
 Pointwise work between matmuls (norms, rotary, SwiGLU, residual adds) is in small functions that the
-engine may `torch.compile` (the token dimension becomes dynamic after the second size seen, so a couple
-of compilations serve every batch size).
+engine may `torch.compile`, with the matmuls called between them (see `attn_inputs`); the token dimension
+becomes dynamic after the second size seen, so a couple of compilations serve every batch size.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from stages.model.policy import packed_attention
@@ -42,6 +47,7 @@ from stages.rollout.fp8 import FP8, linear, quantise_rows
 
 PROJECTIONS = ("qkv_w", "o_w", "gate_up", "down")  # the matmul weights `fp8` quantises
 
+TP_FIELD = "rl.rollout.tensor_model_parallel_size"
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # llama: Llama 2 and 3 (rope scaling comes from HF's rotary)
 
 
@@ -89,6 +95,21 @@ class DecoderShape:
             tied=bool(config.tie_word_embeddings), qk_norm=config.model_type == "qwen3",
         )
 
+    def sharded(self, size: int) -> DecoderShape:
+        """One rank's share under tensor parallelism over `size` ranks: its heads, kv heads (one, shared by
+        several ranks, when there are fewer kv heads than ranks) and share of the MLP's width."""
+        if size == 1:
+            return self
+        problems = [f"{name}={value}" for name, value, ok in (
+            ("num_attention_heads", self.num_heads, self.num_heads % size == 0),
+            ("num_key_value_heads", self.num_kv_heads, self.num_kv_heads % size == 0 or size % self.num_kv_heads == 0),
+            ("intermediate_size", self.intermediate, self.intermediate % size == 0)) if not ok]
+        if problems:
+            raise ValueError(f"{TP_FIELD}={size} must divide the model's {', '.join(problems)} (or, for kv heads, be "
+                             "a multiple of them): choose another size")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=max(1, self.num_kv_heads // size),
+                       intermediate=self.intermediate // size)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -99,10 +120,16 @@ class DecoderShape:
 
 
 class DecoderWeights:
-    """The decoder's weights in one dtype on one device; `load` fills them from HF-named tensors in place."""
+    """The decoder's weights in one dtype on one device; `load` fills them from HF-named tensors in place.
 
-    def __init__(self, shape: DecoderShape, device: torch.device, dtype: torch.dtype, fp8: bool = False):
+    Tensor parallel rank `rank` of `size` (Megatron's split): `shape` is its share (DecoderShape.sharded of `full`);
+    it keeps its heads' rows of q, k, v (and biases) and columns of o, its rows of gate and up and columns of
+    down; embeddings, norms and the head whole; o's bias on rank 0 only (the ranks' o outputs are summed)."""
+
+    def __init__(self, shape: DecoderShape, device: torch.device, dtype: torch.dtype, fp8: bool = False,
+                 full: DecoderShape | None = None, rank: int = 0):
         s, kw = shape, {"device": device, "dtype": dtype}
+        self.full, self.rank = full or shape, rank
         qkv = s.q_size + 2 * s.kv_size
         self.embed = torch.empty(s.vocab, s.hidden, **kw)
         self.lm_head = self.embed if s.tied else torch.empty(s.vocab, s.hidden, **kw)
@@ -113,7 +140,7 @@ class DecoderWeights:
         self.qkv_w = [torch.empty(qkv, s.hidden, **kw) for _ in layers]
         self.qkv_b = [torch.empty(qkv, **kw) for _ in layers] if s.qkv_bias else [None] * s.num_layers
         self.o_w = [torch.empty(s.hidden, s.q_size, **kw) for _ in layers]
-        self.o_b = [torch.empty(s.hidden, **kw) for _ in layers] if s.o_bias else [None] * s.num_layers
+        self.o_b = [torch.empty(s.hidden, **kw) for _ in layers] if s.o_bias and rank == 0 else [None] * s.num_layers
         self.post_norm = [torch.empty(s.hidden, **kw) for _ in layers]
         none = [None] * s.num_layers
         self.q_norm = [torch.empty(s.head_dim, **kw) for _ in layers] if s.qk_norm else none
@@ -132,49 +159,62 @@ class DecoderWeights:
             return tuple(self.fp8[name][i] for name in PROJECTIONS)
         return self.qkv_w[i], self.o_w[i], self.gate_up[i], self.down[i]
 
-    def targets(self) -> dict[str, torch.Tensor]:
-        """HF parameter name -> the view of our weights it is copied into."""
-        s = self.shape
-        q, k = s.q_size, s.q_size + s.kv_size
-        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm,
-               "lm_head.weight": self.lm_head}
+    def targets(self) -> dict[str, tuple | None]:
+        """HF parameter name -> (the view of our weights it is copied into, the dimension of which this rank keeps
+        a slice (None: all of it), the slice's start, that dimension's full size); None: another rank's."""
+        s, f = self.shape, self.full
+        d, q, k = s.head_dim, s.q_size, s.q_size + s.kv_size
+        q0, i0 = self.rank * q, self.rank * s.intermediate
+        kv0 = self.rank * f.num_kv_heads // (f.num_heads // s.num_heads) * d  # a shared kv head: its first rank's
+        whole = lambda t: (t, None, 0, None)  # noqa: E731
+        out = {"model.embed_tokens.weight": whole(self.embed), "model.norm.weight": whole(self.final_norm),
+               "lm_head.weight": whole(self.lm_head)}
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             out |= {
-                p + "input_layernorm.weight": self.in_norm[i],
-                p + "post_attention_layernorm.weight": self.post_norm[i],
-                p + "self_attn.q_proj.weight": self.qkv_w[i][:q], p + "self_attn.k_proj.weight": self.qkv_w[i][q:k],
-                p + "self_attn.v_proj.weight": self.qkv_w[i][k:], p + "self_attn.o_proj.weight": self.o_w[i],
-                p + "mlp.gate_proj.weight": self.gate_up[i][: s.intermediate],
-                p + "mlp.up_proj.weight": self.gate_up[i][s.intermediate :], p + "mlp.down_proj.weight": self.down[i],
+                p + "input_layernorm.weight": whole(self.in_norm[i]),
+                p + "post_attention_layernorm.weight": whole(self.post_norm[i]),
+                p + "self_attn.q_proj.weight": (self.qkv_w[i][:q], 0, q0, f.q_size),
+                p + "self_attn.k_proj.weight": (self.qkv_w[i][q:k], 0, kv0, f.kv_size),
+                p + "self_attn.v_proj.weight": (self.qkv_w[i][k:], 0, kv0, f.kv_size),
+                p + "self_attn.o_proj.weight": (self.o_w[i], 1, q0, f.q_size),
+                p + "mlp.gate_proj.weight": (self.gate_up[i][: s.intermediate], 0, i0, f.intermediate),
+                p + "mlp.up_proj.weight": (self.gate_up[i][s.intermediate :], 0, i0, f.intermediate),
+                p + "mlp.down_proj.weight": (self.down[i], 1, i0, f.intermediate),
             }
             if s.qk_norm:
-                out |= {p + "self_attn.q_norm.weight": self.q_norm[i], p + "self_attn.k_norm.weight": self.k_norm[i]}
+                out |= {p + "self_attn.q_norm.weight": whole(self.q_norm[i]),
+                        p + "self_attn.k_norm.weight": whole(self.k_norm[i])}
             if s.qkv_bias:
                 b = self.qkv_b[i]
-                out |= {p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q:k],
-                        p + "self_attn.v_proj.bias": b[k:]}
+                out |= {p + "self_attn.q_proj.bias": (b[:q], 0, q0, f.q_size),
+                        p + "self_attn.k_proj.bias": (b[q:k], 0, kv0, f.kv_size),
+                        p + "self_attn.v_proj.bias": (b[k:], 0, kv0, f.kv_size)}
             if s.o_bias:
-                out[p + "self_attn.o_proj.bias"] = self.o_b[i]
+                out[p + "self_attn.o_proj.bias"] = whole(self.o_b[i]) if self.rank == 0 else None
         return out
 
     @torch.no_grad()
     def load(self, state) -> None:
         """Copy HF-named tensors in (any device/dtype): a dict, or (name, tensor) pairs streamed one layer at a
-        time (stages/model/fsdp.py `iter_hf_weights`). Every weight must come; unknown names are an error."""
+        time (stages/model/fsdp.py `iter_hf_weights`); under tensor parallelism each rank takes its slice of the
+        full tensors. Every weight must come; unknown names are an error."""
         if self.fp8 is not None:
             self._staging(allocated=True)
         targets = self.targets()
         seen: set[str] = set()
         for name, value in state.items() if isinstance(state, dict) else state:
-            dst = targets.get(name)
-            if dst is None:
+            if name not in targets:
                 raise ValueError(f"weight sync: unexpected parameter {name!r}; pass plain HF names (LoRA merged, "
                                  "no wrapper prefixes)")
-            if tuple(value.shape) != tuple(dst.shape):
-                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(value, non_blocking=True)
             seen.add(name)
+            if targets[name] is None:
+                continue
+            dst, dim, start, full = targets[name]
+            expected = tuple(full if j == dim else n for j, n in enumerate(dst.shape))
+            if tuple(value.shape) != expected:
+                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)}, expected {expected}")
+            dst.copy_(value if dim is None else value.narrow(dim, start, dst.shape[dim]), non_blocking=True)
         optional = {"lm_head.weight"} if self.shape.tied else set()
         missing = sorted(set(targets) - seen - optional)
         if missing:
@@ -185,6 +225,11 @@ class DecoderWeights:
                 for weight, (quantised, scales) in zip(getattr(self, name), self.fp8[name]):
                     quantise_rows(weight, quantised, scales)
             self._staging(allocated=False)
+
+    def count(self) -> int:
+        """Parameters held here (this rank's share under tensor parallelism)."""
+        return sum(t[0].numel() for name, t in self.targets().items()
+                   if t is not None and not (self.shape.tied and name == "lm_head.weight"))
 
     def _staging(self, allocated: bool) -> None:
         """fp8: the projections' engine-dtype copies hold memory only while a load fills them."""
@@ -246,8 +291,12 @@ class Decoder:
     """Forward passes of the decoder over the engine's slots. Not an nn.Module: it trains nothing."""
 
     def __init__(self, config, rotary: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_slots: int,
-                 max_len: int, attention: str, compile: bool, fp8: bool = False):
-        self.shape = DecoderShape.from_config(config)
+                 max_len: int, attention: str, compile: bool, fp8: bool = False,
+                 tp_group: dist.ProcessGroup | None = None):
+        full = DecoderShape.from_config(config)
+        self.tp_group = tp_group  # tensor parallel: this rank computes its share of heads and MLP width
+        rank, size = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if tp_group is not None else (0, 1)
+        self.shape = full.sharded(size)
         if attention not in ("triton", "flash", "sdpa"):
             raise ValueError(f"attention={attention!r}: use 'triton' or 'flash' (CUDA) or 'sdpa'")
         if attention == "flash" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
@@ -258,7 +307,7 @@ class Decoder:
             self._triton_attention, self._triton_rope_write = decode_attention, rope_write
         self.device, self.dtype, self.attention = device, dtype, attention
         self.max_slots, self.max_len = max_slots, max_len
-        self.weights = DecoderWeights(self.shape, device, dtype, fp8)
+        self.weights = DecoderWeights(self.shape, device, dtype, fp8, full, rank)
         self.scale = self.shape.head_dim ** -0.5
         with torch.no_grad():
             positions = torch.arange(max_len, device=device)[None]
@@ -311,8 +360,16 @@ class Decoder:
         w, s = self.weights, self.shape
         qkv_w, o_w, gate_up, down = w.projections(i)
         h, qkv = self._attn_inputs(h, delta, w.in_norm[i], qkv_w, w.qkv_b[i], s.eps)
-        attn = self._o_proj(attend(i, qkv).reshape(-1, s.q_size), o_w, w.o_b[i])
-        return self._mlp(h, attn, w.post_norm[i], gate_up, down, s.eps)
+        attn = self._reduce(self._o_proj(attend(i, qkv).reshape(-1, s.q_size), o_w, w.o_b[i]))
+        h, delta = self._mlp(h, attn, w.post_norm[i], gate_up, down, s.eps)
+        return h, self._reduce(delta)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: the sum of the ranks' partial o / down projections (each holds a share of the heads
+        and of the MLP's width), in place; every rank then holds the same residual stream."""
+        if self.tp_group is not None:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
 
     def _layers(self, ids: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
         h, delta = F.embedding(ids, self.weights.embed), None

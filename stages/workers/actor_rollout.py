@@ -50,8 +50,9 @@ from stages.model.policy import (
     host_inputs,
     packing_unsupported,
 )
-from stages.model.sequence_parallel import check_heads, sequence_parallel_group
+from stages.model.sequence_parallel import check_heads, consecutive_group, sequence_parallel_group
 from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.cuda_model import TP_FIELD
 from stages.rollout.local import local_engine
 from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_loss import actor_loss
@@ -88,9 +89,12 @@ def make_engine(cfg: Config, model_dir: str):
                                  tensor_parallel_size=rollout.tensor_model_parallel_size)
     if rollout.engine not in ("hf", "cuda"):
         raise ValueError(f"rl.rollout.engine={rollout.engine!r} is not an engine: set it to vllm, hf or cuda")
+    # cuda, tensor parallel: a group of consecutive ranks per engine (a collective: right after the world forms)
+    group = consecutive_group(rollout.tensor_model_parallel_size, TP_FIELD) if rollout.engine == "cuda" else None
     return local_engine(rollout.engine, model_dir, cfg.model, max_model_len=max_len, max_num_seqs=rollout.max_num_seqs,
                         setting="rl.rollout.engine", prefix_cache_rows=prefix_cache_rows(cfg),
-                        quantization=rollout.quantization, free_cache=rollout.free_cache_engine)
+                        quantization=rollout.quantization, free_cache=rollout.free_cache_engine,
+                        tensor_parallel_group=group)
 
 
 def prefix_cache_rows(cfg: Config) -> int:

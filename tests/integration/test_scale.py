@@ -366,13 +366,13 @@ def test_two_worker_grpo_with_vllm_raises_the_reward(ray_cluster, tiny_data_dir,
     assert counts == [{"step": s, "n": 8 * 4} for s in range(1, 9)]
 
 
-def engine_param_counts(model_dir, tensor_parallel_size: int) -> list[int]:
-    """Parameters held by each of 2 workers' vllm engines (vLLM's CPU build counts only what stays a
-    parameter after its kernel repacking: the comparison is between tensor parallel sizes)."""
+def engine_param_counts(model_dir, tensor_parallel_size: int, engine: str) -> list[int]:
+    """Parameters held by each of 2 workers' engines (vLLM's CPU build counts only what stays a parameter after
+    its kernel repacking: the comparison is between tensor parallel sizes)."""
     from stages.workers.actor_rollout import ActorRolloutWorker
     from stages.workers.group import Placement, WorkerGroup
 
-    cfg = load_config(None, TINY_OVERRIDES + RL + ["ray.num_devices_per_node=2",
+    cfg = load_config(None, TINY_OVERRIDES + RL + ["ray.num_devices_per_node=2", f"rl.rollout.engine={engine}",
                                                    f"rl.rollout.tensor_model_parallel_size={tensor_parallel_size}"])
     placement = Placement(cfg.ray, num_roles=1)
     group = WorkerGroup(ActorRolloutWorker, cfg, str(model_dir), placement)
@@ -384,20 +384,22 @@ def engine_param_counts(model_dir, tensor_parallel_size: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_rollout_engine_spans_two_workers(ray_cluster, tiny_data_dir, tiny_model_dir, tmp_path):
-    # one vLLM engine over both workers (tensor parallel 2): both ranks get the same prompts and seed, the
-    # driver keeps one copy of the outputs, and weights streamed from the FSDP shards load into each rank's
-    # half of the engine (the engine's greedy tokens re-scored by the trainer agree)
+@pytest.mark.parametrize("engine", ["vllm", "cuda"])
+def test_tensor_parallel_rollout_engine_spans_two_workers(ray_cluster, tiny_data_dir, tiny_model_dir, tmp_path,
+                                                          engine):
+    # one engine over both workers (tensor parallel 2): both ranks get the same prompts and seed, the driver
+    # keeps one copy of the outputs, and weights streamed from the FSDP shards load into each rank's half of the
+    # engine (the engine's greedy tokens re-scored by the trainer agree)
     root = tmp_path / "store"
     result = run_rl_steps(tiny_data_dir, tiny_model_dir, root, "rl.total_steps=2", "rl.test_freq=0",
-                          "rl.save_freq=0", "rl.rollout.tensor_model_parallel_size=2")
+                          "rl.save_freq=0", "rl.rollout.tensor_model_parallel_size=2", f"rl.rollout.engine={engine}")
     assert result.num_steps == 2
     counts = query(str(root), "SELECT step, count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts "
                               "GROUP BY 1 ORDER BY 1")
     assert counts == [{"step": s, "n": 8 * 4, "g": 8} for s in (1, 2)]  # each prompt sampled n times, once
     assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3
     # each rank's engine holds about half of what an engine of its own holds: it really is split
-    halves, wholes = engine_param_counts(tiny_model_dir, 2), engine_param_counts(tiny_model_dir, 1)
+    halves, wholes = engine_param_counts(tiny_model_dir, 2, engine), engine_param_counts(tiny_model_dir, 1, engine)
     assert all(0.4 * w < h < 0.7 * w for h, w in zip(halves, wholes)), (halves, wholes)
     validated = query(str(root), "SELECT step, count(*) AS n, count(DISTINCT prompt_index) AS p FROM validation "
                                  "GROUP BY 1 ORDER BY 1")

@@ -12,11 +12,12 @@ def test_workers_must_divide_every_mini_batch():
         load_config(None, ["rl.enabled=true", "ray.num_devices_per_node=3"])
 
 
-def test_tensor_parallel_rollout_needs_vllm_and_must_divide_the_workers():
+def test_tensor_parallel_rollout_needs_vllm_or_cuda_and_must_divide_the_workers():
     tp2 = ["rl.enabled=true", "ray.num_devices_per_node=4", "rl.rollout.tensor_model_parallel_size=2"]
     assert load_config(None, tp2).rl.rollout.tensor_model_parallel_size == 2
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 needs rl.rollout.engine=vllm"):
-        load_config(None, tp2 + ["rl.rollout.engine=cuda"])
+    assert load_config(None, tp2 + ["rl.rollout.engine=cuda"]).rl.rollout.engine == "cuda"
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 needs rl.rollout.engine=vllm or cuda"):
+        load_config(None, tp2 + ["rl.rollout.engine=hf"])
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 must divide the number of generating "
                        r"workers, 4"):
         load_config(None, tp2 + ["rl.rollout.tensor_model_parallel_size=3"])
