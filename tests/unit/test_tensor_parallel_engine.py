@@ -103,3 +103,22 @@ def test_a_size_that_does_not_split_the_model_is_refused():
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=3 must divide the model's "
                                          r"num_attention_heads=4, num_key_value_heads=2, intermediate_size=128"):
         shape.sharded(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_capture_the_groups_all_reduce():
+    """On a GPU the all-reduces are captured in the decode step's CUDA graphs: a group of one rank (nccl) must give
+    what no group gives (several GPUs: bench/gpu_tp_rollout.py)."""
+    from stages.model.fsdp import init_process_group
+
+    init_process_group()  # a world of one rank
+    try:
+        model = tiny_model().to(torch.bfloat16).cuda()
+        alone = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40)
+        grouped = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40,
+                                    tensor_parallel_group=dist.new_group([0]))
+        assert grouped.use_cuda_graphs and grouped.decoder.tp_group is not None
+        assert outputs(grouped, prompts(5), GREEDY) == outputs(alone, prompts(5), GREEDY)
+        assert outputs(grouped, prompts(5), SAMPLED) != outputs(grouped, prompts(5), SAMPLED)  # unseeded: fresh draws
+    finally:
+        dist.destroy_process_group()
