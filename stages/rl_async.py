@@ -26,7 +26,9 @@ the queue has room (`queue_groups`), and the trainer drops groups over the bound
 
 Resume: the checkpoint records the next group to take (`next_group`); groups that were queued or in flight when the
 run stopped are generated again, with the checkpoint's weights. A rollout worker that dies fails the step with its
-error; one that stalls fails it after `rollout_timeout_s` without a group. Validation pauses the producer at a chunk
+error; one that stalls fails it after `rollout_timeout_s` without a group; dynamic sampling that generates
+`max_num_gen_batches` steps' worth of groups without filling a step fails it as the synchronous loop does (it
+used to generate on until that timeout, which then blamed the workers). Validation pauses the producer at a chunk
 boundary and pushes the current weights first, so it measures the policy of the step.
 """
 
@@ -72,7 +74,10 @@ class AsyncRollout:
     engine call) and returns the groups it keeps (dynamic sampling may drop some)."""
 
     def __init__(self, settings: AsyncTrainingConfig, batch_size: int, engine: EngineFn,
-                 produce: Callable[[int, int], list[Group]], next_group: int, version: int):
+                 produce: Callable[[int, int], list[Group]], next_group: int, version: int,
+                 max_gen_batches: int = 0):
+        """max_gen_batches: with dynamic sampling (rl.algorithm.max_num_gen_batches), the producer fails once it
+        has generated that many steps' worth of groups without keeping a whole step's (0: never)."""
         fully = settings.mode == "fully_async"
         self.batch_size, self.staleness = batch_size, settings.staleness
         self.chunk = (settings.generation_groups or batch_size) if fully else batch_size
@@ -84,6 +89,8 @@ class AsyncRollout:
         self.version, self.next_group = version, next_group  # next_group: the first group not yet taken
         self._next_chunk = next_group
         self._kept = version * batch_size  # groups kept so far: each of the `version` steps trained took batch_size
+        self._max_generated = max_gen_batches * batch_size
+        self._generated = 0  # groups generated since the kept groups last filled a step
         self._queue: deque[Group] = deque()
         self._cond = threading.Condition()
         self._in_chunk = self._pausing = self._pushing = self._closed = False
@@ -113,12 +120,24 @@ class AsyncRollout:
                         self._cond.notify_all()
                 with self._cond:
                     self._queue.extend(groups)
-                    self._kept += len(groups)
+                    self._count(count, len(groups))
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _count(self, generated: int, kept: int) -> None:
+        """Dynamic sampling's bound, as the synchronous loop's: so many groups generated without filling a step
+        means the reward hardly ever varies within a group."""
+        filled = (self._kept + kept) // self.batch_size > self._kept // self.batch_size
+        self._kept += kept
+        self._generated = 0 if filled else self._generated + generated
+        if self._max_generated and self._generated >= self._max_generated:
+            raise RuntimeError(
+                f"dynamic sampling kept {self._kept % self.batch_size}/{self.batch_size} groups of the next step after "
+                f"{self._generated} generated groups ({self._max_generated // self.batch_size} steps' worth); raise "
+                "rl.algorithm.max_num_gen_batches or check the reward")
 
     def _chunk_size(self) -> int:
         """Groups of the next chunk. `wait`: no more than the next step still needs, so that every group the chunk
@@ -244,8 +263,9 @@ class AsyncSchedule:
         self.trainer, settings = trainer, trainer.rl.async_training
         self.push_every = settings.trigger_parameter_sync_step if settings.mode == "fully_async" else 1
         self.meta = trainer.actor.call_one("weight_meta")
+        alg = trainer.rl.algorithm
         self.rollout = AsyncRollout(settings, trainer.rl.train_batch_size, trainer.engine_generate, self.produce,
-                                    next_group, version)
+                                    next_group, version, alg.max_num_gen_batches if alg.filter_groups else 0)
         if version > 0:  # resumed: the engines still hold the initial weights
             self.push(version)
         self.rollout.start()

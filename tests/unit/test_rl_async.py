@@ -335,6 +335,23 @@ def test_take_fails_naming_the_timeout_when_no_group_comes_in_time(closing):
         rollout.take(1, trained_version=0)
 
 
+def test_dynamic_sampling_gives_up_after_max_num_gen_batches_steps_worth_of_groups(closing):
+    # a reward that never varies keeps no group: the producer stops as the synchronous loop does, and says why
+    nothing = closing(AsyncRollout(settings(generation_groups=2), 2, no_engine, Producer(keep=lambda i: False), 0, 0,
+                                   max_gen_batches=3))
+    nothing.start()
+    with pytest.raises(RolloutFailed, match=r"dynamic sampling kept 0/2 groups of the next step after 6 generated "
+                                            r"groups \(3 steps' worth\); raise rl.algorithm.max_num_gen_batches"):
+        nothing.take(1, trained_version=0)
+    # half the groups kept: every step fills within 2 steps' worth, so the count starts again and nothing fails
+    half = closing(AsyncRollout(settings(generation_groups=2, max_staleness=3), 2, no_engine,
+                                Producer(keep=lambda i: i % 2 == 0), 0, 0, max_gen_batches=2))
+    half.start()
+    for step in range(3):
+        groups, _ = half.take(2, trained_version=step)
+        assert indices(groups) == [4 * step, 4 * step + 2]
+
+
 def test_an_error_in_produce_surfaces_from_take_and_paused_with_the_original_as_cause(closing):
     error = ValueError("the reward pool broke")
     rollout = closing(AsyncRollout(settings(), 2, no_engine, Producer(error=error), 0, 0))
