@@ -10,6 +10,7 @@ batch sizes are prompts (`data.train_batch_size`, `ppo_mini_batch_size`, as ours
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,16 @@ class Given:
 
 
 def train_batch(given: Given) -> int:
+    """Prompts per step; in verl's fully async recipe (async_training.* given) a step here is one of its local
+    updates, require_batches mini-batches (its data.train_batch_size is not read there)."""
+    if fully_async(given):
+        return given.get("async_training.require_batches", 1) * mini_batch(given)
     return given.get("data.train_batch_size", given.base.rl.train_batch_size)
+
+
+def fully_async(given: Given) -> bool:
+    """verl's fully_async_policy recipe: its async_training.* keys."""
+    return any(key.startswith("async_training.") for key in given.verl)
 
 
 def mini_batch(given: Given) -> int:
@@ -63,14 +73,14 @@ def ckpt_to_keep(given: Given) -> int:
     return given.get("trainer.max_actor_ckpt_to_keep", given.base.rl.max_ckpt_to_keep)
 
 
-def total_steps(given: Given) -> int | AfterDataPrep:
+def total_steps(given: Given, epochs_key: str = "trainer.total_epochs") -> int | AfterDataPrep:
     """verl: total_training_steps if set, else total_epochs x (training rows // train_batch_size)."""
     steps = given.get("trainer.total_training_steps", None)
     if steps is not None:
         return steps
-    if not given.is_given("trainer.total_epochs"):
+    if not given.is_given(epochs_key):
         return given.base.rl.total_steps
-    epochs, batch = given.get("trainer.total_epochs"), train_batch(given)
+    epochs, batch = given.get(epochs_key), train_batch(given)
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise ValueError(f"a whole number of epochs >= 1, not {epochs!r}")
     if given.rows is None:
@@ -85,6 +95,89 @@ def total_epochs(value: Any, given: Given) -> Overrides:
     if given.get("trainer.total_training_steps", None) is not None:
         return {}
     return {"rl.total_steps": total_steps(given)}
+
+
+def rollout_total_epochs(value: Any, given: Given) -> Overrides:
+    """verl's asynchronous recipes: the rollouter's epochs over the prompts, as trainer.total_epochs."""
+    if given.get("trainer.total_training_steps", None) is not None or given.is_given("rollout.total_rollout_steps"):
+        return {}
+    return {"rl.total_steps": total_steps(given, "rollout.total_epochs")}
+
+
+def total_rollout_steps(value: Any, given: Given) -> Overrides:
+    """verl's fully async recipe: prompts generated over the run -> steps of train_batch prompts."""
+    batch = train_batch(given)
+    if value < batch:
+        raise ValueError(f"fewer prompts than one step takes ({batch}: async_training.require_batches x "
+                         "ppo_mini_batch_size): raise it")
+    return {"rl.total_steps": value // batch}
+
+
+def rollout_gpus(value: Any, given: Given) -> Overrides:
+    """Rollout GPUs of their own: verl's one_step_off_policy recipe, or fully_async_policy with its keys."""
+    if value < 1:
+        raise ValueError("at least 1 (0 GPUs of their own: drop the key, the workers are then colocated)")
+    return {"ray.rollout_devices_per_node": value,
+            "rl.async_training.mode": "fully_async" if fully_async(given) else "one_step_off"}
+
+
+def async_setting(ours: str) -> Convert:
+    """A fully async recipe key: sets `ours` (if any), the mode and the step size it implies (train_batch)."""
+    def apply(value: Any, given: Given) -> Overrides:
+        out = {"rl.async_training.mode": "fully_async", "rl.train_batch_size": train_batch(given)}
+        return out if not ours else {**out, ours: value}
+
+    return apply
+
+
+def staleness(threshold: Any, given: Given) -> Overrides:
+    """verl counts staleness in weight syncs (a sample may come from ceil(threshold) syncs back); here in trainer
+    steps: with a push every T steps a sample trains up to T - 1 steps after its window began, plus T per sync."""
+    if threshold < 0:
+        raise ValueError("a share of stale samples >= 0")
+    every = sync_every(given)
+    return async_setting("rl.async_training.max_staleness")(every - 1 + math.ceil(threshold) * every, given)
+
+
+def sync_every(given: Given) -> int:
+    return given.get("async_training.trigger_parameter_sync_step",
+                     given.base.rl.async_training.trigger_parameter_sync_step)
+
+
+def hybrid_engine(value: Any, given: Given) -> Overrides:
+    if value is False and not given.is_given("rollout.n_gpus_per_node"):
+        raise ValueError("a rollout of its own needs its GPUs: give rollout.n_gpus_per_node (verl's asynchronous "
+                         "recipes), else actor, reference and rollout share the workers")
+    return {}
+
+
+def rollout_logprobs(value: Any, given: Given) -> Overrides:
+    """use_rollout_log_probs: the rollout's logprobs are the old policy (bypass) unless compute_prox_log_prob."""
+    bypass = bool(value) and not given.get("async_training.compute_prox_log_prob", False)
+    return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
+
+
+def prox_logprobs(value: Any, given: Given) -> Overrides:
+    """compute_prox_log_prob: the trainer recomputes the old policy's logprobs (no bypass)."""
+    bypass = not value and bool(given.get("async_training.use_rollout_log_probs", False))
+    return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
+
+
+def rollout_test_freq(value: Any, given: Given) -> Overrides:
+    """verl: validate every N weight syncs; here every N x trigger_parameter_sync_step steps."""
+    return {"rl.test_freq": max(0, value) * sync_every(given)}
+
+
+def gen_batch_size(value: Any, given: Given) -> Overrides:
+    """DAPO recipe: only data.train_batch_size; fully async recipe (streaming, 1): our chunks instead."""
+    if fully_async(given):
+        return {}
+    return equal_to("data.train_batch_size", train_batch, "each generation round draws data.train_batch_size "
+                    "prompts here")(value, given)
+
+
+def train_batch_size(value: Any, given: Given) -> Overrides:
+    return {} if fully_async(given) else {"rl.train_batch_size": value}
 
 
 def total_training_steps(value: Any, _given: Given) -> Overrides:

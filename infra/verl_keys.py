@@ -11,8 +11,9 @@ conversions in infra/verl_convert.py) or is refused (`apply is None`) with the r
 - `refused`: a feature we lack, with the reason and what to use instead where there is something.
 
 Facts are verl's (volcengine/verl: `verl/trainer/config/_generated_ppo_trainer.yaml`, `ray_trainer.py`, the
-workers); rows marked "DAPO recipe" are keys of verl's DAPO recipe config. Keys a user does not give keep this
-project's values (the recipe's, else infra/config.py's), not verl's defaults.
+workers); rows marked "DAPO recipe" are keys of verl's DAPO recipe config, and the `rollout.*` and
+`async_training.*` rows those of its asynchronous recipes (`recipe/one_step_off_policy`, `recipe/fully_async_policy`).
+Keys a user does not give keep this project's values (the recipe's, else infra/config.py's), not verl's defaults.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ ROWS = [
         "test/val/validation/valid/dev/eval, as verl's test.parquet); a lone train file: data.path = that file, "
         "data.validation_fraction held out"),
     via("data.val_files", "data.source=file, data.path", c.val_files, "with data.train_files (one folder)"),
-    same("data.train_batch_size", "rl.train_batch_size", "prompts per step, as verl's"),
+    via("data.train_batch_size", "rl.train_batch_size", c.train_batch_size, "prompts per step, as verl's (not read "
+        "by verl's fully async recipe, nor here with its async_training.* keys)"),
     same("data.max_prompt_length", "data.max_prompt_length"),
     same("data.max_response_length", "data.max_response_length"),
     same("data.filter_overlong_prompts", "data.filter_overlong_prompts"),
@@ -96,9 +98,9 @@ ROWS = [
     only("data.tokenizer", (None,), "the model's own tokenizer is used"),
     only("data.custom_cls.path", (None,), "a dataset class of your own is not supported: rows come from files "
          "(data.path) or the recipes in data/"),
-    only_if("data.gen_batch_size", c.equal_to("data.train_batch_size", c.train_batch,
-                                              "each generation round draws data.train_batch_size prompts here"),
-            "DAPO recipe; only equal to data.train_batch_size"),
+    only_if("data.gen_batch_size", c.gen_batch_size, "DAPO recipe: only equal to data.train_batch_size; fully async "
+            "recipe (1: streaming): groups stream to the trainer as they are scored, from engine calls of "
+            "rl.async_training.generation_groups prompts"),
     no_setting("data.val_batch_size", "validation prompts go to the engines in one pass per worker"),
     no_setting("data.dataloader_num_workers", "no data loader processes: prompts are read once, in memory"),
     # ---- model
@@ -119,7 +121,8 @@ ROWS = [
     only(M + "enable_activation_offload", (False,), "no activation offload here"),
     only(M + "custom_chat_template", (None,), "the tokenizer's own chat template is used"),
     only(M + "external_lib", (None,), "no external model libraries are imported"),
-    only("actor_rollout_ref.hybrid_engine", (True,), "actor, reference and rollout always share the workers"),
+    only_if("actor_rollout_ref.hybrid_engine", c.hybrid_engine, "True; False with rollout.n_gpus_per_node (verl's "
+            "asynchronous recipes: rollout workers of their own)"),
     # ---- actor
     only(A + "strategy", ("fsdp", "fsdp2"), "training is FSDP2 here; Megatron is not supported"),
     same(A + "ppo_mini_batch_size", "rl.actor.ppo_mini_batch_size", "prompts per optimizer step (x rollout.n "
@@ -307,6 +310,36 @@ ROWS = [
     same("algorithm.filter_groups.enable", "rl.algorithm.filter_groups", "DAPO recipe"),
     same("algorithm.filter_groups.metric", "rl.algorithm.filter_groups_metric", "DAPO recipe"),
     same("algorithm.filter_groups.max_num_gen_batches", "rl.algorithm.max_num_gen_batches", "DAPO recipe; 0: no limit"),
+    # ---- verl's asynchronous recipes (one_step_off_policy, fully_async_policy): rollout GPUs of their own
+    via("rollout.n_gpus_per_node", "ray.rollout_devices_per_node, rl.async_training.mode", c.rollout_gpus,
+        "rollout devices per node beside trainer.n_gpus_per_node; mode fully_async with async_training.* keys, else "
+        "one_step_off"),
+    only_if("rollout.nnodes", c.equal_to("trainer.nnodes", lambda g: g.get("trainer.nnodes", g.base.ray.num_nodes),
+                                         "rollout workers run on the trainer's nodes here (ray.num_nodes)"),
+            "only equal to trainer.nnodes"),
+    via("rollout.total_rollout_steps", "rl.total_steps", c.total_rollout_steps,
+        "fully async: prompts over the run // a step's prompts (require_batches x ppo_mini_batch_size)"),
+    via("rollout.total_epochs", "rl.total_steps", c.rollout_total_epochs,
+        "as trainer.total_epochs (after data prep); total_rollout_steps or total_training_steps win"),
+    via("rollout.test_freq", "rl.test_freq", c.rollout_test_freq,
+        "validation every N weight syncs: N x trigger_parameter_sync_step steps"),
+    via("async_training.staleness_threshold", "rl.async_training.max_staleness", c.staleness,
+        "verl bounds the stale samples per sync window, so a sample lags at most ceil(threshold) syncs; here the "
+        "bound is in trainer steps: T - 1 + ceil(threshold) x T with a push every T steps (0 stays synchronous)"),
+    via("async_training.trigger_parameter_sync_step", "rl.async_training.trigger_parameter_sync_step",
+        c.async_setting("rl.async_training.trigger_parameter_sync_step"),
+        "steps between weight pushes; a step here is one of verl's local updates"),
+    via("async_training.require_batches", "rl.train_batch_size", c.async_setting(""),
+        "a step takes require_batches x ppo_mini_batch_size prompts (verl's local update)"),
+    via("async_training.partial_rollout", "rl.async_training.partial_rollout",
+        c.async_setting("rl.async_training.partial_rollout"), "generation in flight pauses at a push and goes on"),
+    via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_logprobs,
+        "the rollout's logprobs as the old policy (bypass), unless compute_prox_log_prob"),
+    via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode", c.prox_logprobs,
+        "True: the trainer recomputes the old policy's logprobs (no bypass; rollout_correction weights them)"),
+    *(no_setting("async_training.checkpoint_engine." + key, "weights reach the rollout workers as one NCCL broadcast "
+                 "per tensor, loaded as they arrive (stages/workers/weight_transfer.py); nothing to tune")
+      for key in ("enable", "device_buffer_size_M", "overlap_broadcast_and_consume", "bypass_cpu")),
     # ---- trainer
     via("trainer.total_epochs", "rl.total_steps", c.total_epochs,
         "epochs x (training rows // data.train_batch_size), set after data prep counts the rows (verl drops a last "

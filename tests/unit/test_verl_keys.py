@@ -35,7 +35,7 @@ BASE = load_config(None, IMPLIED)  # what a verl command line starts from withou
 
 # Rows that set one field to the value as given: key -> a sample value (differs from BASE's).
 SAME = {
-    "data.train_batch_size": "64", "data.max_prompt_length": "256", "data.max_response_length": "512",
+    "data.max_prompt_length": "256", "data.max_response_length": "512",
     "data.filter_overlong_prompts": "False", M + "path": "/models/qwen", M + "trust_remote_code": "True",
     M + "enable_gradient_checkpointing": "True", M + "use_remove_padding": "True", A + "use_remove_padding": "False",
     A + "ppo_mini_batch_size": "8", A + "ppo_micro_batch_size_per_gpu": "4", A + "use_dynamic_bsz": "True",
@@ -79,6 +79,8 @@ CONTEXT = {R + "tensor_model_parallel_size": ["trainer.n_gpus_per_node=2"],  # w
            RC + "loss_type": [RC + "bypass_mode=True", A + "policy_loss.loss_mode=gpg"]}
 
 OUR_CONTEXT = {R + "quantization": ["rl.rollout.engine=cuda"]}  # our settings a sample needs
+
+ASYNC = ["rollout.n_gpus_per_node=1"]  # rollout devices of their own: what verl's asynchronous recipes need
 
 # Rows that convert: key -> (the verl overrides, what they must set). Hand-worked values in the comments.
 VIA = {
@@ -157,12 +159,40 @@ VIA = {
     "trainer.save_freq": (["trainer.save_freq=-1"], {"rl.save_freq": 0}),  # verl -1: never; here the end only
     "trainer.test_freq": (["trainer.test_freq=7"], {"rl.test_freq": 7}),
     "trainer.resume_mode": (["trainer.resume_mode=disable"], {"rl.resume_mode": "disable"}),
+    "data.train_batch_size": (["data.train_batch_size=64"], {"rl.train_batch_size": 64}),
+    # verl's asynchronous recipes (a fully async one has async_training.* keys; ppo_mini_batch_size 16 here)
+    "rollout.n_gpus_per_node": (["rollout.n_gpus_per_node=2"],
+                                {"ray.rollout_devices_per_node": 2, "rl.async_training.mode": "one_step_off"}),
+    "rollout.total_epochs": (["rollout.total_epochs=3"], {"rl.total_steps": 9}),  # 3 x (100 // 32)
+    # a step: require_batches 2 x 16 prompts = 32; 320 // 32 = 10
+    "rollout.total_rollout_steps": (ASYNC + ["async_training.require_batches=2", "rollout.total_rollout_steps=320"],
+                                    {"rl.total_steps": 10, "rl.train_batch_size": 32}),
+    "rollout.test_freq": (ASYNC + ["async_training.trigger_parameter_sync_step=2", "rollout.test_freq=3"],
+                          {"rl.test_freq": 6}),  # every 3 syncs of 2 steps
+    "async_training.staleness_threshold": (
+        ASYNC + ["async_training.staleness_threshold=2.5"],
+        {"rl.async_training.max_staleness": 3, "rl.async_training.mode": "fully_async",
+         "ray.rollout_devices_per_node": 1, "rl.train_batch_size": 16}),
+    "async_training.trigger_parameter_sync_step": (ASYNC + ["async_training.trigger_parameter_sync_step=2"],
+                                                   {"rl.async_training.trigger_parameter_sync_step": 2}),
+    "async_training.require_batches": (ASYNC + ["async_training.require_batches=4"], {"rl.train_batch_size": 64}),
+    "async_training.partial_rollout": (ASYNC + ["async_training.partial_rollout=False"],
+                                       {"rl.async_training.partial_rollout": False}),
+    "async_training.use_rollout_log_probs": (ASYNC + ["async_training.use_rollout_log_probs=True"],
+                                             {"rl.algorithm.rollout_correction.bypass_mode": True}),
+    "async_training.compute_prox_log_prob": (
+        ASYNC + ["async_training.use_rollout_log_probs=True", "async_training.compute_prox_log_prob=True"],
+        {"rl.algorithm.rollout_correction.bypass_mode": False, "rl.async_training.mode": "fully_async"}),
 }
 
 # Rows accepted only when the value is what this project does, where that depends on other keys:
 # key -> (accepted overrides, refused overrides, the reason the refusal gives).
 CHECKED = {
     "data.gen_batch_size": (["data.gen_batch_size=32"], ["data.gen_batch_size=96"], "each generation round draws"),
+    "rollout.nnodes": (["rollout.nnodes=1"], ["rollout.nnodes=2"], "rollout workers run on the trainer's nodes here"),
+    "actor_rollout_ref.hybrid_engine": (["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=False"],
+                                        ["actor_rollout_ref.hybrid_engine=False"],
+                                        "a rollout of its own needs its GPUs"),
     "critic.enable": (["algorithm.adv_estimator=gae", "critic.enable=True"], ["critic.enable=True"],
                       "the critic runs exactly when the estimator is gae here"),
     "critic.model.path": ([M + "path=/m", "critic.model.path=/m"], [M + "path=/m", "critic.model.path=/other"],
@@ -369,6 +399,22 @@ def test_data_files_must_be_one_folder_split_by_names(tmp_path, data):
         translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet",
                              f"data.val_files={tmp_path}/a/test.parquet"])
     assert run([f"data.train_files={data}/train.parquet"]).data.path == f"{data}/train.parquet"
+
+
+def test_verls_fully_async_recipe_resolves_to_our_fully_async_mode():
+    """The asynchronous keys of verl's recipe/fully_async_policy/dapo_7b_math_fsdp2_4_4.sh (its other keys are
+    the table's ordinary rows): 4 rollout and 4 trainer GPUs, local updates of one 64-prompt mini-batch, a push every
+    32 of them, stale samples up to one sync back, 81,920 prompts over the run."""
+    cfg = run(["data.train_batch_size=0", "data.gen_batch_size=1", R + "n=16", A + "ppo_mini_batch_size=64",
+               "actor_rollout_ref.hybrid_engine=False", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+               "rollout.nnodes=1", "rollout.n_gpus_per_node=4", f"rollout.total_rollout_steps={512 * 16 * 10}",
+               "rollout.total_epochs=10", "async_training.staleness_threshold=1",
+               "async_training.trigger_parameter_sync_step=32", "async_training.partial_rollout=True"])
+    assert (cfg.ray.num_devices_per_node, cfg.ray.rollout_devices_per_node) == (4, 4)
+    a = cfg.rl.async_training
+    assert (a.mode, a.trigger_parameter_sync_step, a.max_staleness, a.partial_rollout) == ("fully_async", 32, 63, True)
+    # a step = one local update of 64 prompts; 81,920 prompts = 1,280 steps (total_rollout_steps wins over epochs)
+    assert (cfg.rl.train_batch_size, cfg.rl.actor.ppo_mini_batch_size, cfg.rl.total_steps) == (64, 64, 1280)
 
 
 def test_the_command_line_splits_at_verl():
