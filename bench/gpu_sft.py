@@ -1,6 +1,7 @@
 """SFT step speed on one GPU: stages/sft.py's `train_step` as run_sft runs it (fp32 master weights, bf16 autocast).
 
     python3 bench/gpu_sft.py --out $OUT --name NAME [--shape 0.5b]      # in a checkout (or an older one: same API)
+    python3 bench/gpu_sft.py --out $OUT --name NAME --shape 3b --offload   # sft.offload: FSDP2 CPU offload, as run_sft
 
 Workload: a Qwen2.5-shaped model with random weights, 64 examples per optimizer step in micro-batches of 8,
 prompts of 128-256 tokens and responses of 100-512 (uniform), fused AdamW. Figures: median of the timed steps
@@ -12,6 +13,7 @@ Works with the code before SFT went through TokenLogprobs (train_step took the m
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -33,25 +35,32 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--offload", action="store_true", help="sft.offload: weights, gradients, AdamW in host memory")
     args = p.parse_args()
     res = Results(args.name, args.out)
     ceilings = measure_ceilings()
     res.add("machine", {**machine(), **ceilings})
-    model = workload_model(False, "cuda", torch.float32, shape=args.shape).train()
+    model = workload_model(False, "cpu" if args.offload else "cuda", torch.float32, shape=args.shape).train()
     vocab, eos = model.config.vocab_size, model.config.eos_token_id
     prompts = workload_prompts(args.batch, 128, 256, vocab, eos, seed=1)
     responses = workload_prompts(args.batch, 100, 512, vocab, eos, seed=2)
     examples = [sft.SFTExample(p_ + r + [eos], len(p_)) for p_, r in zip(prompts, responses)]
     tokens = sum(len(e.input_ids) for e in examples)
     trained = sft.sft_policy(model, cuda=True) if hasattr(sft, "sft_policy") else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    if args.offload:  # as run_sft with sft.offload: a world of one, FSDP2 with CPU offload and bf16 compute
+        from stages.model.fsdp import init_process_group, shard
+
+        init_process_group()
+        trained = shard(trained, param_dtype=torch.bfloat16, offload=True)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6, fused=None if args.offload else True)
+    device = {"device": torch.device("cuda")} if args.offload else {}
     times = []
     for step in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = sft.train_step(trained, optimizer, examples, args.micro, 1.0, pad_id=0)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not args.offload):
+            loss, _ = sft.train_step(trained, optimizer, examples, args.micro, 1.0, pad_id=0, **device)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -60,8 +69,10 @@ def main():
             times.append(seconds)
     median = sorted(times)[len(times) // 2]
     mfu = 6 * num_params(model) * tokens / median / (ceilings["bf16_matmul_tflops"] * 1e12)
+    host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     res.add("summary", {"step_s": median, "tokens_per_step": tokens, "tok_per_s": tokens / median, "mfu": mfu,
-                        "params": num_params(model), "path": "sft_policy" if trained is not model else "model"})
+                        "params": num_params(model), "path": "sft_policy" if trained is not model else "model",
+                        "offload": args.offload, "host_peak_rss_gib": host_gib})
     res.table([("step s", median, f"{tokens} tokens"), ("tokens/s", tokens / median, ""), ("MFU", mfu, ""),
                ("peak GiB", peak, "last step")])
 

@@ -163,6 +163,10 @@ class SFTConfig(Section):
     val_freq: int = Field(0, ge=0, description="Validation loss every N steps (0: once per epoch).")
     save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end of each epoch).")
     max_ckpt_to_keep: int = Field(2, gt=0)
+    offload: bool = Field(False, description="FSDP2 CPU offload (verl's SFT fsdp_config.cpu_offload): the fp32 "
+                          "weights, gradients and AdamW state stay in host memory and each layer comes to the GPU "
+                          "for its forward and backward, the optimizer steps on the CPU; for full fine-tuning of "
+                          "models whose training state does not fit the GPU (7B: ~122 GB). Slower per step.")
 
     @model_validator(mode="after")
     def _micro_divides_batch(self) -> SFTConfig:

@@ -15,16 +15,27 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
 from infra.config import Config, DataConfig
 from infra.tracking import Tracker, progress_bar
 from stages.batch import Batch, build_batch, to_device
+from stages.merge import write_hf_folder
+from stages.model.fsdp import (
+    full_state_dict,
+    hf_weights,
+    init_process_group,
+    load_train_state,
+    save_train_state,
+    shard,
+)
 from stages.model.loading import (
     DTYPES,
     chat_prompt_ids,
@@ -41,6 +52,7 @@ from stages.model.safe_load import load_state
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "train_state.pt"
+SHARDED_DIR = "train"  # sft.offload: the DCP folder of weights, optimizer and scheduler beside CHECKPOINT_FILE
 
 
 class Checkpoints(Protocol):
@@ -143,9 +155,9 @@ def sft_policy(model: torch.nn.Module, cuda: bool) -> TokenLogprobs:
     return TokenLogprobs(model, pack=cuda and packing_unsupported(model.config) is None, compile_head=cuda)
 
 
-def summed_token_nll(policy: TokenLogprobs, batch: Batch) -> torch.Tensor:
-    """Sum over the loss tokens of -log p(token | prefix), on the model's device."""
-    device = next(policy.parameters()).device
+def summed_token_nll(policy: TokenLogprobs, batch: Batch, device: torch.device | None = None) -> torch.Tensor:
+    """Sum over the loss tokens of -log p(token | prefix), on `device` (default: the model's)."""
+    device = device or next(policy.parameters()).device
     logprobs, _ = policy(**to_device(host_inputs(batch, policy.pack), device))
     return -(logprobs * batch.response_mask.to(device)).sum()
 
@@ -157,15 +169,19 @@ def num_target_tokens(examples: list[SFTExample]) -> int:
 
 
 def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], micro_batch_size: int,
-               grad_clip: float, pad_id: int):
-    """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm)."""
+               grad_clip: float, pad_id: int, device: torch.device | None = None):
+    """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm). `device`:
+    where the batch goes (default: the model's; sft.offload keeps the model in host memory, computes on the GPU)."""
     global_tokens = num_target_tokens(examples)
-    total = torch.zeros((), device=next(policy.parameters()).device)
+    total = torch.zeros(())
     for start in range(0, len(examples), micro_batch_size):
-        loss = summed_token_nll(policy, sft_batch(examples[start : start + micro_batch_size], pad_id)) / global_tokens
+        batch = sft_batch(examples[start : start + micro_batch_size], pad_id)
+        loss = summed_token_nll(policy, batch, device) / global_tokens
         loss.backward()
-        total += loss.detach()
+        total = total.to(loss.device) + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # sharded (sft.offload): a DTensor
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
@@ -173,9 +189,9 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
 
 @torch.no_grad()
 def validation_loss(policy: TokenLogprobs, examples: list[SFTExample], micro_batch_size: int,
-                    pad_id: int) -> torch.Tensor:
+                    pad_id: int, device: torch.device | None = None) -> torch.Tensor:
     policy.eval()
-    total = sum(summed_token_nll(policy, sft_batch(examples[s : s + micro_batch_size], pad_id))
+    total = sum(summed_token_nll(policy, sft_batch(examples[s : s + micro_batch_size], pad_id), device)
                 for s in range(0, len(examples), micro_batch_size))
     policy.train()
     return total / num_target_tokens(examples)
@@ -197,19 +213,44 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
     total_steps = cfg.sft.epochs * steps_per_epoch
     torch.manual_seed(cfg.run.seed)
-    # fp32 master weights on the GPU when there is one; forwards in model.dtype (autocast) when it is lower
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"})).to(device).train()
-    optimizer = build_optimizer(model.parameters(), cfg.sft.optim)
-    scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
-    step = _resume(checkpoints, model, optimizer, scheduler)
-    loop = _Loop(cfg, model, sft_policy(model, device == "cuda"), optimizer, scheduler, tokenizer.pad_token_id,
-                 tracker, checkpoints)
-    dtype = compute_dtype(cfg.model)
-    with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-        metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
-    save_hf_folder(model.to("cpu", DTYPES[cfg.model.dtype]), tokenizer, out_dir)
+    # fp32 master weights on the GPU when there is one (sft.offload: in host memory, FSDP2 bringing each layer to
+    # the GPU); forwards in model.dtype when it is lower (autocast; FSDP2's mixed precision when offloaded)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    offload, dtype = cfg.sft.offload, compute_dtype(cfg.model)
+    model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"}))
+    model = (model if offload else model.to(device)).train()
+    policy = sft_policy(model, device.type == "cuda")
+    with _offloaded(offload) as world:
+        if world:
+            policy = shard(policy, param_dtype=dtype, offload=True)
+        optimizer = build_optimizer(policy.parameters(), cfg.sft.optim)
+        scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
+        loop = _Loop(cfg, model, policy, optimizer, scheduler, tokenizer.pad_token_id, tracker, checkpoints, device,
+                     offload)
+        step = loop.resume()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None and not offload):
+            metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
+        if offload:
+            lora = cfg.model.lora
+            state = hf_weights(full_state_dict(policy), lora.alpha / lora.rank if lora else None)
+            state = {k: v.to(DTYPES[cfg.model.dtype]) for k, v in state.items()}
+            write_hf_folder(state, str(model_dir), out_dir, cfg.model.trust_remote_code)
+        else:
+            save_hf_folder(model.to("cpu", DTYPES[cfg.model.dtype]), tokenizer, out_dir)
     return SFTResult(out_dir, total_steps, metrics)
+
+
+@contextmanager
+def _offloaded(offload: bool):
+    """sft.offload: a torch.distributed world of this one process for FSDP2 (left as it was found)."""
+    joined = offload and not dist.is_initialized()
+    if joined:
+        init_process_group()
+    try:
+        yield offload
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 @dataclass
@@ -222,6 +263,8 @@ class _Loop:
     pad_id: int
     tracker: Tracker
     checkpoints: Checkpoints
+    device: torch.device
+    sharded: bool  # sft.offload: FSDP2 (checkpoints are DCP folders)
 
     def run(self, train, val, step, steps_per_epoch, total_steps) -> dict[str, float]:
         sft = self.cfg.sft
@@ -235,13 +278,14 @@ class _Loop:
             batch = [train[i] for i in order[pos * sft.train_batch_size : (pos + 1) * sft.train_batch_size]]
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = train_step(self.policy, self.optimizer, batch, sft.micro_batch_size,
-                                         sft.optim.grad_clip, self.pad_id)
+                                         sft.optim.grad_clip, self.pad_id, self.device)
             self.scheduler.step()
             step += 1
             metrics = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
                        "train/epoch": epoch}
             if step % val_freq == 0 or step == total_steps:
-                metrics["val/loss"] = float(validation_loss(self.policy, val, sft.micro_batch_size, self.pad_id))
+                metrics["val/loss"] = float(validation_loss(self.policy, val, sft.micro_batch_size, self.pad_id,
+                                                            self.device))
             self.tracker.log(metrics, step)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)  # redrawn on the bar's own clock
             bar.update()
@@ -252,27 +296,26 @@ class _Loop:
 
     def _save(self, step: int) -> None:
         with tempfile.TemporaryDirectory(dir=self.checkpoints.tmp_dir) as tmp:
-            torch.save(
-                {
-                    "step": step,
-                    "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "rng": torch.get_rng_state(),
-                },
-                Path(tmp) / CHECKPOINT_FILE,
-            )
+            state = {"step": step, "rng": torch.get_rng_state()}
+            if self.sharded:
+                save_train_state(Path(tmp) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+            else:
+                state |= {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "scheduler": self.scheduler.state_dict()}
+            torch.save(state, Path(tmp) / CHECKPOINT_FILE)
             self.checkpoints.save(step, Path(tmp))
 
-
-def _resume(checkpoints: Checkpoints, model, optimizer, scheduler) -> int:
-    latest = checkpoints.latest()
-    if latest is None:
-        return 0
-    state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    logger.info("sft: resumed from checkpoint at step %d", state["step"])
-    return int(state["step"])
+    def resume(self) -> int:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return 0
+        state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
+        if self.sharded:
+            load_train_state(latest / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        logger.info("sft: resumed from checkpoint at step %d", state["step"])
+        return int(state["step"])

@@ -17,6 +17,7 @@ transformers' expression in the input dtype.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -44,6 +45,10 @@ def _run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
         return rotate(q, cos, sin, inverse), rotate(k, cos, sin, inverse)
     return _rotate(q, cos, sin, inverse), _rotate(k, cos, sin, inverse)
+
+
+# Without Triton (CPU machines) torch warns at each registration that it finds no kernels: expected, not shown.
+logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
 
 
 @torch.library.triton_op("rlpipe::rotary", mutates_args=())

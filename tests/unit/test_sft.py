@@ -184,3 +184,36 @@ def test_sft_on_cuda_packed_and_compiled_under_autocast_matches_the_plain_path(t
     (loss0, g0), (loss1, g1) = results
     torch.testing.assert_close(loss1, loss0, rtol=0.02, atol=0.02)
     assert float((g1 - g0).norm() / g0.norm()) < 0.05
+
+
+def test_offloaded_sft_trains_as_the_plain_path_and_resumes_exactly(tiny_model_dir, tiny_data_dir, tmp_path):
+    # sft.offload: FSDP2 in a world of this one process (on a GPU, weights, gradients and optimizer state in host
+    # memory); on a CPU the same sharded path: its steps are the plain path's, its DCP checkpoints resume exactly
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.epochs=2", "sft.save_freq=3"])  # 16 steps
+    plain = StopAt(stop=-1)
+    _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "plain", ArtifactStore(str(tmp_path / "s0")), plain)
+    offloaded = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"offload": True})})
+    straight = StopAt(stop=-1)
+    _run(offloaded, tiny_model_dir, tiny_data_dir, tmp_path / "a", ArtifactStore(str(tmp_path / "s1")), straight)
+    for got, want in zip(straight.seen, plain.seen):
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5, abs=1e-6), got["step"]
+
+    store = ArtifactStore(str(tmp_path / "s2"))
+    with pytest.raises(KeyboardInterrupt):
+        _run(offloaded, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, StopAt(stop=8))
+    resumed = StopAt(stop=-1)
+    _run(offloaded, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, resumed)
+    assert resumed.seen[0]["step"] == 7  # after the checkpoint at step 6
+    by_step = {m["step"]: m for m in straight.seen}
+    assert all(m["train/loss"] == by_step[m["step"]]["train/loss"] for m in resumed.seen)
+    a = load_model(tmp_path / "a", cfg.model).state_dict()
+    b = load_model(tmp_path / "b", cfg.model).state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert not torch.distributed.is_initialized()  # the world of one is gone again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FSDP2's CPU offload)")
+def test_offloaded_sft_on_cuda_learns_and_saves_the_model_dtype(tiny_model_dir, tiny_data_dir, tmp_path):
+    result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "sft.offload=true", "model.dtype=bfloat16")
+    with safe_open(str(result.model_dir / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
