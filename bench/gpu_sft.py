@@ -54,6 +54,18 @@ def main():
         trained = shard(trained, param_dtype=torch.bfloat16, offload=True)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6, fused=None if args.offload else True)
     device = {"device": torch.device("cuda")} if args.offload else {}
+    optimizer_s = []  # the optimizer step's share (with sft.offload it runs on the CPU)
+    step_fn = optimizer.step
+
+    def timed_step(*a, **k):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        out = step_fn(*a, **k)
+        torch.cuda.synchronize()
+        optimizer_s.append(time.perf_counter() - begin)
+        return out
+
+    optimizer.step = timed_step
     times = []
     for step in range(args.warmup + args.steps):
         torch.cuda.synchronize()
@@ -64,7 +76,8 @@ def main():
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30
-        res.add(f"step{step}", {"seconds": seconds, "loss": float(loss), "peak_gib": peak})
+        res.add(f"step{step}", {"seconds": seconds, "loss": float(loss), "peak_gib": peak,
+                                "optimizer_s": optimizer_s[-1]})
         if step >= args.warmup:
             times.append(seconds)
     median = sorted(times)[len(times) // 2]

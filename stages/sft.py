@@ -174,7 +174,11 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
     where the batch goes (default: the model's; sft.offload keeps the model in host memory, computes on the GPU)."""
     global_tokens = num_target_tokens(examples)
     total = torch.zeros(())
-    for start in range(0, len(examples), micro_batch_size):
+    starts = range(0, len(examples), micro_batch_size)
+    sync = getattr(policy, "set_requires_gradient_sync", None)  # FSDP2 (sft.offload): reduce and offload once
+    for start in starts:
+        if sync is not None:
+            sync(start == starts[-1])
         batch = sft_batch(examples[start : start + micro_batch_size], pad_id)
         loss = summed_token_nll(policy, batch, device) / global_tokens
         loss.backward()
