@@ -130,8 +130,10 @@ def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     """The trained model's full state dict from an RL or SFT checkpoint folder."""
     from stages.model.fsdp import read_checkpoint_model_state
     from stages.model.safe_load import load_state
-    from stages.sft import CHECKPOINT_FILE
+    from stages.sft import CHECKPOINT_FILE, SHARDED_DIR
 
+    if (folder / SHARDED_DIR / ".metadata").is_file():  # SFT with sft.offload: the weights are a DCP folder
+        return read_checkpoint_model_state(folder, SHARDED_DIR)
     sft_file = folder / CHECKPOINT_FILE
     if sft_file.is_file():
         return load_state(sft_file, mmap=True)["model"]

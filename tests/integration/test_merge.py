@@ -261,6 +261,34 @@ def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp
     assert (logits - before).abs().max() > 1e-2  # the adapters were trained and merged
 
 
+def test_an_offloaded_sft_checkpoint_merges_as_the_plain_one(tiny_model_dir, tiny_data_dir, tmp_path):
+    """sft.offload saves its weights as a DCP folder (stages/sft.py); merged, it gives the plain checkpoint's model
+    (the two paths' steps agree to float32 rounding)."""
+    from stages.sft import run_sft
+
+    merged = {}
+    for offload in (False, True):
+        cfg = load_config(None, TINY_OVERRIDES + ["model.lora.rank=4", "model.lora.alpha=8", "sft.optim.lr=1e-2",
+                                                  "sft.save_freq=4", f"sft.offload={offload}"])
+        store = ArtifactStore(str(tmp_path / f"store-{offload}"))
+        checkpoints = StoreCheckpoints(store, "sft-test", 2, {"base_model": str(tiny_model_dir)},
+                                       checkpoint_metadata(cfg.model))
+        run_sft(cfg, tiny_model_dir, tiny_data_dir, tmp_path / f"final-{offload}", checkpoints, Tracker([]))
+        source = merge_source(store, resolve_checkpoint(store, "sft-test"))
+        assert source.step == 4
+        result = merge_checkpoint(source, tmp_path / f"merged-{offload}")
+        assert result.lora_rank == 4
+        merged[offload] = load_state_dict_of(result.out_dir)
+    for name, value in merged[False].items():
+        torch.testing.assert_close(merged[True][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def load_state_dict_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
 @pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_serves_the_merged_folder_like_transformers(full, probe, tmp_path):
     import ray
