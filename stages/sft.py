@@ -8,7 +8,8 @@ gradient does not depend on how the batch is split. The epoch's sample order is 
 
 The loss goes through the RL actor's token-logprob module (`sft_policy`): the same packed rows, chunked
 vocabulary projection and, on CUDA, compiled layers and Triton head as the RL update, on one device with fp32
-master weights and autocast.
+master weights and autocast; with `sft.offload`, sharded by FSDP2 in a world of this one process with the
+weights, gradients and optimizer state in host memory (bf16 compute by FSDP2's mixed precision, DCP checkpoints).
 """
 
 from __future__ import annotations
