@@ -22,7 +22,7 @@ from stages.model.safe_load import (
     load_state,
     refusals_raised,
 )
-from stages.sft import CHECKPOINT_FILE, _resume
+from stages.sft import CHECKPOINT_FILE, _Loop
 
 
 class Payload:
@@ -78,7 +78,8 @@ def test_sft_train_state_with_code_is_refused(tmp_path):
     model = torch.nn.Linear(2, 2)
     torch.save({"step": 3, "model": model.state_dict(), "scheduler": Payload(marker)}, tmp_path / CHECKPOINT_FILE)
     with pytest.raises(UnsafeCheckpointError, match=CHECKPOINT_FILE):
-        _resume(FolderCheckpoints(tmp_path), model, None, None)
+        _Loop(None, model, None, None, None, 0, None, FolderCheckpoints(tmp_path), torch.device("cpu"),
+              sharded=False).resume()
     assert not marker.exists()
 
 
