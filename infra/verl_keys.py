@@ -81,8 +81,8 @@ ROWS = [
         "test/val/validation/valid/dev/eval, as verl's test.parquet); a lone train file: data.path = that file, "
         "data.validation_fraction held out"),
     via("data.val_files", "data.source=file, data.path", c.val_files, "with data.train_files (one folder)"),
-    via("data.train_batch_size", "rl.train_batch_size", c.train_batch_size, "prompts per step, as verl's (not read "
-        "by verl's fully async recipe, nor here with its async_training.* keys)"),
+    VerlKey("data.train_batch_size", "same", "rl.train_batch_size", "prompts per step, as verl's (not read by "
+            "verl's fully async recipe, nor here with its async_training.* keys)", c.train_batch_size),
     same("data.max_prompt_length", "data.max_prompt_length"),
     same("data.max_response_length", "data.max_response_length"),
     same("data.filter_overlong_prompts", "data.filter_overlong_prompts"),

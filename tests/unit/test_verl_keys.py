@@ -35,7 +35,7 @@ BASE = load_config(None, IMPLIED)  # what a verl command line starts from withou
 
 # Rows that set one field to the value as given: key -> a sample value (differs from BASE's).
 SAME = {
-    "data.max_prompt_length": "256", "data.max_response_length": "512",
+    "data.train_batch_size": "64", "data.max_prompt_length": "256", "data.max_response_length": "512",
     "data.filter_overlong_prompts": "False", M + "path": "/models/qwen", M + "trust_remote_code": "True",
     M + "enable_gradient_checkpointing": "True", M + "use_remove_padding": "True", A + "use_remove_padding": "False",
     A + "ppo_mini_batch_size": "8", A + "ppo_micro_batch_size_per_gpu": "4", A + "use_dynamic_bsz": "True",
@@ -159,7 +159,6 @@ VIA = {
     "trainer.save_freq": (["trainer.save_freq=-1"], {"rl.save_freq": 0}),  # verl -1: never; here the end only
     "trainer.test_freq": (["trainer.test_freq=7"], {"rl.test_freq": 7}),
     "trainer.resume_mode": (["trainer.resume_mode=disable"], {"rl.resume_mode": "disable"}),
-    "data.train_batch_size": (["data.train_batch_size=64"], {"rl.train_batch_size": 64}),
     # verl's asynchronous recipes (a fully async one has async_training.* keys; ppo_mini_batch_size 16 here)
     "rollout.n_gpus_per_node": (["rollout.n_gpus_per_node=2"],
                                 {"ray.rollout_devices_per_node": 2, "rl.async_training.mode": "one_step_off"}),
