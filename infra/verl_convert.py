@@ -151,15 +151,11 @@ def hybrid_engine(value: Any, given: Given) -> Overrides:
     return {}
 
 
-def rollout_logprobs(value: Any, given: Given) -> Overrides:
-    """use_rollout_log_probs: the rollout's logprobs are the old policy (bypass) unless compute_prox_log_prob."""
-    bypass = bool(value) and not given.get("async_training.compute_prox_log_prob", False)
-    return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
-
-
-def prox_logprobs(value: Any, given: Given) -> Overrides:
-    """compute_prox_log_prob: the trainer recomputes the old policy's logprobs (no bypass)."""
-    bypass = not value and bool(given.get("async_training.use_rollout_log_probs", False))
+def rollout_bypass(_value: Any, given: Given) -> Overrides:
+    """use_rollout_log_probs / compute_prox_log_prob: the rollout's logprobs are the old policy (bypass) when the
+    first is on and the second (the trainer recomputing them) is off."""
+    bypass = bool(given.get("async_training.use_rollout_log_probs", False)) and not given.get(
+        "async_training.compute_prox_log_prob", False)
     return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
 
 

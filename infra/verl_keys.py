@@ -333,9 +333,9 @@ ROWS = [
         "a step takes require_batches x ppo_mini_batch_size prompts (verl's local update)"),
     via("async_training.partial_rollout", "rl.async_training.partial_rollout",
         c.async_setting("rl.async_training.partial_rollout"), "generation in flight pauses at a push and goes on"),
-    via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_logprobs,
+    via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_bypass,
         "the rollout's logprobs as the old policy (bypass), unless compute_prox_log_prob"),
-    via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode", c.prox_logprobs,
+    via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_bypass,
         "True: the trainer recomputes the old policy's logprobs (no bypass; rollout_correction weights them)"),
     *(no_setting("async_training.checkpoint_engine." + key, "weights reach the rollout workers as one NCCL broadcast "
                  "per tensor, loaded as they arrive (stages/workers/weight_transfer.py); nothing to tune")

@@ -174,7 +174,7 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
     """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm). `device`:
     where the batch goes (default: the model's; sft.offload keeps the model in host memory, computes on the GPU)."""
     global_tokens = num_target_tokens(examples)
-    total = torch.zeros(())
+    losses = []
     starts = range(0, len(examples), micro_batch_size)
     sync = getattr(policy, "set_requires_gradient_sync", None)  # FSDP2 (sft.offload): reduce and offload once
     for start in starts:
@@ -183,13 +183,13 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
         batch = sft_batch(examples[start : start + micro_batch_size], pad_id)
         loss = summed_token_nll(policy, batch, device) / global_tokens
         loss.backward()
-        total = total.to(loss.device) + loss.detach()
+        losses.append(loss.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # sharded (sft.offload): a DTensor
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    return torch.stack(losses).sum(), grad_norm
 
 
 @torch.no_grad()
