@@ -339,7 +339,8 @@ class AsyncSchedule:
             raise RolloutFailed(f"a rollout worker died during a weight push ({exc}); the run stops here, and a "
                                 "rerun resumes from the last checkpoint") from exc
         metrics = {**results[0], "timing_s/receive": max(results[len(t.actor.handles):])}
-        return {**metrics, **self._check()}
+        metrics.update(self._check())
+        return {**metrics, **t.engines.call("memory_metrics")[0]}  # the rollout workers', since the last push
 
     def _check(self) -> dict[str, float]:
         """Every engine generates greedy tokens on the check prompts; the trainer re-scores them (as the colocated

@@ -19,8 +19,12 @@ GB = 2**30
 
 
 class MemoryPeaks:
-    def __init__(self, device: torch.device):
+    """scope: a part of the metric names after `perf` ("/rollout": `perf/rollout/max_memory_allocated_gb/gen`), for
+    workers whose figures sit beside the trainer's."""
+
+    def __init__(self, device: torch.device, scope: str = ""):
         self.cuda = device.type == "cuda"
+        self.scope = scope
         self.peaks: dict[str, float] = {}
 
     @contextmanager
@@ -34,11 +38,12 @@ class MemoryPeaks:
                 self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / GB)
 
     def metrics(self) -> dict[str, float]:
-        values = {f"perf/max_memory_allocated_gb/{k}": v for k, v in sorted(self.peaks.items())}
+        perf = f"perf{self.scope}"
+        values = {f"{perf}/max_memory_allocated_gb/{k}": v for k, v in sorted(self.peaks.items())}
         if self.cuda:
-            values["perf/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
-            values["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
-        values["perf/cpu_memory_used_gb"] = _resident_bytes() / GB
+            values[f"{perf}/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
+            values[f"{perf}/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        values[f"{perf}/cpu_memory_used_gb"] = _resident_bytes() / GB
         self.peaks.clear()
         if dist.is_initialized() and dist.get_world_size() > 1:  # ranks ran the same phases: same keys
             reduced = torch.tensor(list(values.values()), dtype=torch.float64)

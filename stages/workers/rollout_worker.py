@@ -16,6 +16,7 @@ from infra.config import Config
 from stages.model.fsdp import init_process_group
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.workers.actor_rollout import make_engine
+from stages.workers.memory import MemoryPeaks, measured
 from stages.workers.weight_transfer import WeightGroup, WeightMeta
 
 
@@ -25,6 +26,7 @@ class RolloutWorker:
         self.cfg, self.rank = cfg, rank
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         init_process_group(rank, world_size, master_addr, master_port)  # first: vLLM joins this world
+        self.memory = MemoryPeaks(self.device, scope="/rollout")
         self.engine = make_engine(cfg, model_dir)
         self.engine.wake()
         self.weights: WeightGroup | None = None
@@ -32,6 +34,7 @@ class RolloutWorker:
     def hold_engine_awake(self, awake: bool) -> None:
         """The engine is always awake here (nothing else uses the device)."""
 
+    @measured("gen")
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         return self.engine.generate(prompt_ids, params)
 
@@ -43,8 +46,14 @@ class RolloutWorker:
         self.weights = WeightGroup(addr, port, 1 + self.rank, size, self.device,
                                    self.cfg.rl.async_training.rollout_timeout_s)
 
+    @measured("receive")
     def receive_weights(self, meta: WeightMeta) -> float:
         """Load the trainer's pushed weights into the engine as they arrive; -> seconds taken."""
         start = time.perf_counter()
         self.engine.update_weights(self.weights.receive(meta))
         return time.perf_counter() - start
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak device memory of each phase since the last call, the largest over the rollout workers (a collective
+        of their world: every worker calls it, while none generates)."""
+        return self.memory.metrics()

@@ -40,3 +40,10 @@ def test_cpu_metrics_give_the_resident_memory_and_no_device_peaks():
         block = torch.ones(2**20)  # noqa: F841 - 4 MiB resident while measured
     metrics = memory.metrics()
     assert list(metrics) == ["perf/cpu_memory_used_gb"] and 0.01 < metrics["perf/cpu_memory_used_gb"] < 1024
+
+
+def test_a_scope_names_another_worker_s_figures():
+    memory = MemoryPeaks(torch.device("cpu"), scope="/rollout")
+    with memory.phase("gen"):
+        pass
+    assert list(memory.metrics()) == ["perf/rollout/cpu_memory_used_gb"]
