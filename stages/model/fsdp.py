@@ -73,6 +73,17 @@ def init_process_group(rank: int = 0, world_size: int = 1, master_addr: str = "1
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
 
 
+def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`value` reduced over the workers' world (unchanged in a world of one), on its own device: the reduction runs
+    on the GPU under nccl, which has no CPU tensors."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else value.device
+    reduced = value.detach().to(device).clone()
+    dist.all_reduce(reduced, op=op)
+    return reduced.to(value.device)
+
+
 def shard(module: nn.Module, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
           offload: bool = False) -> nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, norm, head and any value head); gradients

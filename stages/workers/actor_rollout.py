@@ -36,6 +36,7 @@ import torch.distributed as dist
 from infra.config import Config
 from stages.batch import Batch, build_batch, to_device
 from stages.model.fsdp import (
+    all_reduce,
     full_state_dict,
     hf_weights,
     init_process_group,
@@ -59,7 +60,6 @@ from stages.workers.actor_loss import actor_loss
 from stages.workers.memory import MemoryPeaks, measured
 from stages.workers.train_engine import (
     TrainEngine,
-    all_reduce,
     automatic_fields,
     local_mini_rows,
     micro_batches,

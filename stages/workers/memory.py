@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from stages.model.fsdp import all_reduce
+
 GB = 2**30
 
 
@@ -45,11 +47,8 @@ class MemoryPeaks:
             values[f"{perf}/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
         values[f"{perf}/cpu_memory_used_gb"] = _resident_bytes() / GB
         self.peaks.clear()
-        if dist.is_initialized() and dist.get_world_size() > 1:  # ranks ran the same phases: same keys
-            reduced = torch.tensor(list(values.values()), dtype=torch.float64)
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-            values = dict(zip(values, reduced.tolist()))
-        return values
+        reduced = all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), dist.ReduceOp.MAX)
+        return dict(zip(values, reduced.tolist()))  # ranks ran the same phases: same keys
 
 
 def _resident_bytes() -> int:

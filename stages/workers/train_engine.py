@@ -31,7 +31,7 @@ from infra.config import Config
 from infra.rl_config import TrainerConfig
 from stages.batch import Batch
 from stages.core import loss_denominators
-from stages.model.fsdp import load_train_state, save_train_state
+from stages.model.fsdp import all_reduce, load_train_state, save_train_state
 from stages.model.optim import OffloadedAdamW, build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -140,16 +140,6 @@ def balanced_groups(lengths: list[int], count: int) -> list[list[int]]:
         groups[k].append(row)
         totals[k] += lengths[row]
     return [sorted(g) for g in groups]
-
-
-def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """`value` reduced over the workers' world (unchanged in a world of one), on its own device."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else value.device
-    reduced = value.detach().to(device).clone()
-    dist.all_reduce(reduced, op=op)
-    return reduced.to(value.device)
 
 
 CHECKPOINT_SHARE = 0.4  # see state_is_large
