@@ -126,6 +126,10 @@ def main() -> None:
                    ("  decode step ms (one engine, full batch)", step.get("step_ms", "-"), ""),
                    ("  peak GiB (max over ranks)", float(peak.item()), ""),
                    ("  params per rank", engine.param_count(), "")])
+    del engine  # its CUDA graphs hold the group's all-reduces: freed before the group goes
+    if device != "cpu":
+        torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 

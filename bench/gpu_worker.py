@@ -24,7 +24,8 @@ calibrated to a 1/200 per-token hazard (bench/gpu_common.py), prompts of 128-256
 temperature 1, up to 512 response tokens. The per-GPU batch is the same at every N (N x --prompts prompts
 per step), so perfect scaling is N times the sequences per second. Phases end with a barrier (a phase takes
 its slowest rank's time, as the driver waits for every rank); the first `--warmup` steps (compilation, graph
-capture) are not counted; figures are medians over the timed steps. Rank 0 writes gpu-worker-n{N}.json.
+capture) are not counted; phase times are medians over the timed steps, rates totals over them. Rank 0
+writes gpu-worker-n{N}.json.
 """
 
 from __future__ import annotations
@@ -233,17 +234,23 @@ def reduce_step(figures: dict) -> dict:
 
 
 def summarize(timed: list[dict], params: int, peak_tflops: float | None, world: int, ppo_epochs: int) -> dict:
+    """Phase times and memory: medians over the timed steps. Rates: totals over the timed steps (the steps sample
+    other response lengths, so a median of tokens over a median of times would pair figures of different steps);
+    the per-step tokens/s spread beside them."""
     med = {k: statistics.median(f[k] for f in timed) for k in timed[0]}
-    step = med["timing_s/step"]
+    total = {k: sum(f[k] for f in timed) for k in timed[0]}
+    step = total["timing_s/step"]
+    per_step = [f["tokens"] / f["timing_s/step"] for f in timed]
     summary = {**{k: med[k] for k in med if k.startswith(("timing_s/", "peak_gib/", "reserved_gib/"))},
-               "step_s": step, "sequences_per_step": med["sequences"], "seq_per_s": med["sequences"] / step,
-               "tok_per_s": med["tokens"] / step,
-               "gen_response_tok_per_s": med["response_tokens"] / med["timing_s/gen"]}
+               "step_s": med["timing_s/step"], "sequences_per_step": med["sequences"],
+               "seq_per_s": total["sequences"] / step, "tok_per_s": total["tokens"] / step,
+               "tok_per_s_steps_min": min(per_step), "tok_per_s_steps_max": max(per_step),
+               "gen_response_tok_per_s": total["response_tokens"] / total["timing_s/gen"]}
     if peak_tflops:  # tokens of all ranks over all GPUs' peak: 6 (2 forward) x params FLOPs per token
         peak = peak_tflops * 1e12 * world
-        tokens = med["local_tokens"]
-        summary["mfu/update_actor"] = 6 * params * tokens * ppo_epochs / med["timing_s/update_actor"] / peak
-        summary["mfu/old_log_prob"] = 2 * params * tokens / med["timing_s/old_log_prob"] / peak
+        tokens = total["local_tokens"]
+        summary["mfu/update_actor"] = 6 * params * tokens * ppo_epochs / total["timing_s/update_actor"] / peak
+        summary["mfu/old_log_prob"] = 2 * params * tokens / total["timing_s/old_log_prob"] / peak
     return summary
 
 
@@ -282,7 +289,8 @@ def main(argv=None) -> None:
         rows = [(f"N={world}: step s", summary["step_s"], "median of timed steps"),
                 *[(f"N={world}: {p} s", summary[f"timing_s/{p}"], "slowest rank") for p in PHASES],
                 (f"N={world}: sequences/s", summary["seq_per_s"], f"{summary['sequences_per_step']:.0f} per step"),
-                (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"], "")]
+                (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"],
+                 f"steps {summary['tok_per_s_steps_min']:,.0f}-{summary['tok_per_s_steps_max']:,.0f}")]
         rows += [(f"N={world}: {k}", v, "") for k, v in summary.items() if k.startswith(("mfu/", "peak_gib/"))]
     if args.profile:
         folder = res.out if res else Path(tempfile.mkdtemp())
