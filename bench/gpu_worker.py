@@ -259,8 +259,10 @@ def main(argv=None) -> None:
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("run under torchrun: torchrun --nproc_per_node=N bench/gpu_worker.py ...")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # one GPU per worker, as Ray gives it (before anything initialises CUDA)
+    # one GPU per worker, as Ray gives it (before anything initialises CUDA), and one OpenMP thread, as Ray gives a
+    # worker of one CPU slot (torchrun sets it at N > 1 only; at N = 1 the process would get every core)
     os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.quick else os.environ["LOCAL_RANK"]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
