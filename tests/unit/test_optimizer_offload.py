@@ -42,3 +42,37 @@ def test_state_dict_brings_the_moments_back_and_resuming_is_exact():
     optimizer.offload()  # what TrainEngine.save does after writing the checkpoint; twice is harmless
     optimizer.offload()
     assert all(m.untyped_storage().nbytes() == 0 for m in _moments(optimizer))
+
+
+def test_fsdp2_shards_in_host_memory_step_with_the_fused_kernel_as_the_loop_does(monkeypatch):
+    """Parameters offloaded by FSDP2 from a GPU (DTensors whose shards are on the CPU) get the fused AdamW kernel;
+    its steps equal the default loop's. (CUDA is pretended: FSDP2's offload itself needs a GPU.)"""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from stages.model.fsdp import init_process_group
+
+    created = not dist.is_initialized()
+    init_process_group()  # a world of this process (FSDP2 needs one)
+    try:
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        results = {}
+        for cuda in (False, True):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+            model = copy.deepcopy(base)
+            fully_shard(model[0])
+            fully_shard(model)
+            optimizer = build_optimizer(model.parameters(), OptimConfig(lr=0.01, weight_decay=0.1))
+            assert optimizer.defaults["fused"] is (True if cuda else None)
+            for step in range(3):
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            results[cuda] = [p.full_tensor() for p in model.parameters()]
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(*results.values()))
+    finally:
+        if created:
+            dist.destroy_process_group()
