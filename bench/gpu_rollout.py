@@ -110,7 +110,7 @@ def step_floor(model, batch: int, mean_context: float, ceilings: dict) -> dict:
     params = num_params(model)
     head_dim = c.hidden_size // c.num_attention_heads
     kv = batch * mean_context * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
-    sampling = batch * c.vocab_size * (2 + 2 + 4 + 4)  # bf16 logits written+read, fp32 uniforms written+read
+    sampling = batch * c.vocab_size * (2 + 2)  # bf16 logits written and read (the sampler draws by hash, no uniforms)
     weights = 2 * params
     flops = 2 * params * batch + c.num_hidden_layers * 4 * batch * mean_context * c.num_attention_heads * head_dim
     byte_s = (weights + kv + sampling) / (ceilings["copy_tb_s"] * 1e12)

@@ -2,11 +2,12 @@
 
     python3 bench/gpu_sft.py --out $OUT --name NAME [--shape 0.5b]      # in a checkout (or an older one: same API)
     python3 bench/gpu_sft.py --out $OUT --name NAME --shape 3b --offload   # sft.offload: FSDP2 CPU offload, as run_sft
+    ... --adamw default                    # torch's own AdamW choice instead of the pipeline's (A/B of the fused step)
 
 Workload: a Qwen2.5-shaped model with random weights, 64 examples per optimizer step in micro-batches of 8,
-prompts of 128-256 tokens and responses of 100-512 (uniform), fused AdamW. Figures: median of the timed steps
-after warm-up (the first step compiles): seconds, tokens/s (prompt + response), MFU = 6 x params x tokens /
-seconds / the run's measured bf16 matmul rate (as bench/gpu_worker.py), peak memory.
+prompts of 128-256 tokens and responses of 100-512 (uniform), AdamW as the pipeline builds it. Figures: median
+of the timed steps after warm-up (the first step compiles): seconds, tokens/s (prompt + response), MFU = 6 x params
+x tokens / seconds / the run's measured bf16 matmul rate (as bench/gpu_worker.py), peak memory.
 Works with the code before SFT went through TokenLogprobs (train_step took the model itself).
 """
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_common import Results, machine, measure_ceilings, num_params, workload_model, workload_prompts  # noqa: E402
 from stages import sft  # noqa: E402
+from stages.model.optim import _fused  # noqa: E402
 
 
 def main():
@@ -36,6 +38,8 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--offload", action="store_true", help="sft.offload: weights, gradients, AdamW in host memory")
+    p.add_argument("--adamw", default="auto", choices=["auto", "fused", "default"],
+                   help="auto: as the pipeline chooses (stages/model/optim.py); default: torch's choice (fused=None)")
     args = p.parse_args()
     res = Results(args.name, args.out)
     ceilings = measure_ceilings()
@@ -52,7 +56,9 @@ def main():
 
         init_process_group()
         trained = shard(trained, param_dtype=torch.bfloat16, offload=True)
-    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6, fused=None if args.offload else True)
+    fused = {"auto": _fused(list(trained.parameters())), "fused": True, "default": None}[args.adamw]
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6, fused=fused)
+    res.add("optimizer", {"adamw": args.adamw, "fused": fused})
     device = {"device": torch.device("cuda")} if args.offload else {}
     optimizer_s = []  # the optimizer step's share (with sft.offload it runs on the CPU)
     step_fn = optimizer.step

@@ -34,12 +34,15 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from infra.artifacts import ArtifactRef
 from infra.config import ModelConfig
-from infra.store import ArtifactStore
+
+if TYPE_CHECKING:  # the store (and its S3 client) is imported where used: SFT and the GPU benches need neither
+    from infra.store import ArtifactStore
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
             parser.error(f"--out {args.out}: exists and is not an empty folder; pass a new or empty folder")
         args.out.parent.mkdir(parents=True, exist_ok=True)
+    from infra.store import ArtifactStore
+
     store = ArtifactStore(args.root, args.endpoint_url)
     source = merge_source(store, resolve_checkpoint(store, args.checkpoint, args.step), args.base_model,
                           args.lora_alpha)
