@@ -239,7 +239,8 @@ class TrackingConfig(Section):
 
 
 class RayConfig(Section):
-    """Where the RL workers run: N = num_devices_per_node * num_nodes colocated workers, one per device.
+    """Where the workers run: N = num_devices_per_node * num_nodes, one per device, for the RL trainer's colocated
+    roles, the SFT ranks (FSDP2 data parallel; N = 1: SFT in the stage's own process) and evaluation.
 
     Multi-node: start Ray on every node (`ray start --head` on one, `ray start --address=HEAD:6379` on the
     others) and set `address` (e.g. 'auto' on a node of the cluster); checkpoints are then staged in a
@@ -327,6 +328,15 @@ class Config(Section):
         if self.rl.enabled and engines % tp:
             raise ValueError(f"rl.rollout.tensor_model_parallel_size={tp} must divide the number of generating "
                              f"workers, {engines} (ray.rollout_devices_per_node * ray.num_nodes, or the trainers')")
+        return self
+
+    @model_validator(mode="after")
+    def _sft_ranks_share_batches(self) -> Config:
+        """SFT runs on every trainer device (ray.num_devices_per_node * ray.num_nodes), each taking an equal share."""
+        ranks, batch = self.ray.num_trainers, self.sft.train_batch_size
+        if self.sft.enabled and batch % ranks:
+            raise ValueError(f"sft.train_batch_size={batch} must be divisible by the number of SFT ranks, "
+                             f"ray.num_devices_per_node * ray.num_nodes = {ranks}: each rank takes an equal share")
         return self
 
     @model_validator(mode="after")

@@ -7,9 +7,13 @@ gradient does not depend on how the batch is split. The epoch's sample order is 
 (run.seed, epoch), so a run resumed from a checkpoint at step s sees exactly the batches it would have.
 
 The loss goes through the RL actor's token-logprob module (`sft_policy`): the same packed rows, chunked
-vocabulary projection and, on CUDA, compiled layers and Triton head as the RL update, on one device with fp32
-master weights and autocast; with `sft.offload`, sharded by FSDP2 in a world of this one process with the
-weights, gradients and optimizer state in host memory (bf16 compute by FSDP2's mixed precision, DCP checkpoints).
+vocabulary projection and, on CUDA, compiled layers and Triton head as the RL update. On one device (the run's
+`ray.num_devices_per_node * ray.num_nodes` is 1) it trains in this process with fp32 master weights and autocast;
+with `sft.offload`, sharded by FSDP2 in a world of this one process with the weights, gradients and optimizer state
+in host memory. On N devices, N `SFTTrainer` Ray actors (one per device, as the RL workers are placed) shard it by
+FSDP2: rank r takes every N-th sequence of each batch, every micro-batch divides by the whole batch's token count
+and gradients are summed over ranks, so the step is the one-device step (tests/integration/test_sft_ranks.py).
+Sharded runs compute in model.dtype through FSDP2's mixed precision and checkpoint DCP folders.
 """
 
 from __future__ import annotations
@@ -170,10 +174,12 @@ def num_target_tokens(examples: list[SFTExample]) -> int:
 
 
 def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], micro_batch_size: int,
-               grad_clip: float, pad_id: int, device: torch.device | None = None):
+               grad_clip: float, pad_id: int, device: torch.device | None = None, global_tokens: int | None = None):
     """One optimizer step over a global batch with gradient accumulation; returns (loss, grad_norm). `device`:
-    where the batch goes (default: the model's; sft.offload keeps the model in host memory, computes on the GPU)."""
-    global_tokens = num_target_tokens(examples)
+    where the batch goes (default: the model's; sft.offload keeps the model in host memory, computes on the GPU).
+    `global_tokens`: the loss tokens of the whole batch when `examples` are one rank's share of it (default: theirs);
+    the loss returned is then this share's part of the batch's token mean."""
+    global_tokens = global_tokens or num_target_tokens(examples)
     losses = []
     starts = range(0, len(examples), micro_batch_size)
     sync = getattr(policy, "set_requires_gradient_sync", None)  # FSDP2 (sft.offload): reduce and offload once
@@ -192,16 +198,6 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
     return torch.stack(losses).sum(), grad_norm
 
 
-@torch.no_grad()
-def validation_loss(policy: TokenLogprobs, examples: list[SFTExample], micro_batch_size: int,
-                    pad_id: int, device: torch.device | None = None) -> torch.Tensor:
-    policy.eval()
-    total = sum(summed_token_nll(policy, sft_batch(examples[s : s + micro_batch_size], pad_id), device)
-                for s in range(0, len(examples), micro_batch_size))
-    policy.train()
-    return total / num_target_tokens(examples)
-
-
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(num_examples, generator=generator).tolist()
@@ -218,58 +214,177 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
     total_steps = cfg.sft.epochs * steps_per_epoch
     torch.manual_seed(cfg.run.seed)
-    # fp32 master weights on the GPU when there is one (sft.offload: in host memory, FSDP2 bringing each layer to
-    # the GPU); forwards in model.dtype when it is lower (autocast; FSDP2's mixed precision when offloaded)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    offload, dtype = cfg.sft.offload, compute_dtype(cfg.model)
-    model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"}))
-    model = (model if offload else model.to(device)).train()
-    policy = sft_policy(model, device.type == "cuda")
-    with _offloaded(offload) as world:
-        if world:
-            policy = shard(policy, param_dtype=dtype, offload=True)
-        optimizer = build_optimizer(policy.parameters(), cfg.sft.optim)
-        scheduler = build_scheduler(optimizer, cfg.sft.optim, total_steps)
-        loop = _Loop(cfg, model, policy, optimizer, scheduler, tokenizer.pad_token_id, tracker, checkpoints, device,
-                     offload)
+    with _ranks(cfg, str(model_dir), total_steps) as ranks:
+        loop = _Loop(cfg, ranks, tracker, checkpoints)
         step = loop.resume()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None and not offload):
-            metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
-        if offload:
-            lora = cfg.model.lora
-            state = hf_weights(full_state_dict(policy), lora.alpha / lora.rank if lora else None)
-            state = {k: v.to(DTYPES[cfg.model.dtype]) for k, v in state.items()}
-            write_hf_folder(state, str(model_dir), out_dir, cfg.model.trust_remote_code)
-        else:
-            save_hf_folder(model.to("cpu", DTYPES[cfg.model.dtype]), tokenizer, out_dir)
+        metrics = loop.run(train, val, step, steps_per_epoch, total_steps)
+        ranks.all("export", str(out_dir))
     return SFTResult(out_dir, total_steps, metrics)
 
 
-@contextmanager
-def _offloaded(offload: bool):
-    """sft.offload: a torch.distributed world of this one process for FSDP2 (left as it was found)."""
-    joined = offload and not dist.is_initialized()
-    if joined:
-        init_process_group()
-    try:
-        yield offload
-    finally:
-        if joined:
+class SFTTrainer:
+    """One SFT rank: the policy, its optimizer and schedule. In the stage's process when the run has one device
+    (`ray.num_devices_per_node * ray.num_nodes`), else rank r of that many Ray actors, one device each, the policy
+    sharded by FSDP2 over them (data parallel: each rank takes its share of every batch; gradients are summed).
+
+    fp32 master weights on the GPU when there is one, forwards in model.dtype when it is lower (autocast); when
+    sharded (several ranks, or sft.offload: then a world of this one process, weights, gradients and optimizer
+    state in host memory with each layer brought to the GPU) by FSDP2's mixed precision instead."""
+
+    def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+        self.cfg, self.model_dir, self.rank = cfg, model_dir, rank
+        self.sharded = cfg.sft.offload or world_size > 1
+        self.joined = self.sharded and not dist.is_initialized()  # a world this rank made, and leaves in close()
+        if self.sharded:
+            init_process_group(rank, world_size, master_addr, master_port)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = compute_dtype(cfg.model)
+        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"}))
+        self.model = (model if cfg.sft.offload else model.to(self.device)).train()
+        self.policy = sft_policy(self.model, self.device.type == "cuda")
+        if self.sharded:
+            self.policy = shard(self.policy, param_dtype=self.dtype, offload=cfg.sft.offload)
+        self.optimizer = build_optimizer(self.policy.parameters(), cfg.sft.optim)
+        self.scheduler = None
+
+    def schedule(self, total_steps: int) -> None:
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.sft.optim, total_steps)
+
+    def step(self, examples: list[SFTExample], global_tokens: int) -> tuple[float, float, float]:
+        """One optimizer step on this rank's share of a batch whose loss tokens number `global_tokens`: (its part of
+        the loss, the gradient norm, the learning rate it stepped with)."""
+        sft, lr = self.cfg.sft, self.scheduler.get_last_lr()[0]
+        with self._autocast():
+            loss, grad_norm = train_step(self.policy, self.optimizer, examples, sft.micro_batch_size,
+                                         sft.optim.grad_clip, self.tokenizer.pad_token_id, self.device, global_tokens)
+        self.scheduler.step()
+        return float(loss), float(grad_norm), lr
+
+    @torch.no_grad()
+    def validation_sum(self, examples: list[SFTExample], real: int) -> float:
+        """Summed token loss of the first `real` examples (the rest pad this rank's share to the others' length:
+        sharded, every rank must run as many forwards)."""
+        micro, total = self.cfg.sft.micro_batch_size, 0.0
+        self.policy.eval()
+        with self._autocast():
+            for start in range(0, len(examples), micro):
+                batch = sft_batch(examples[start : start + micro], self.tokenizer.pad_token_id)
+                batch.response_mask[max(0, real - start) :] = 0
+                total += float(summed_token_nll(self.policy, batch, self.device))
+        self.policy.train()
+        return total
+
+    def save(self, folder: str) -> dict:
+        """Sharded: the DCP folder of weights, optimizer and scheduler (all ranks write their shards); else their
+        state dicts, returned for the checkpoint's file."""
+        if self.sharded:
+            save_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+            return {}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load(self, folder: str) -> None:
+        if self.sharded:
+            load_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+            return
+        state = load_state(Path(folder) / CHECKPOINT_FILE)  # tensors and plain values only: it cannot run code
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def export(self, out_dir: str) -> None:
+        """The trained model as an HF folder in model.dtype (sharded: gathered to rank 0, which writes it)."""
+        model = self.cfg.model
+        if not self.sharded:
+            save_hf_folder(self.model.to("cpu", DTYPES[model.dtype]), self.tokenizer, out_dir)
+            return
+        state = full_state_dict(self.policy)  # a collective: every rank calls it, rank 0 gets the tensors
+        if self.rank == 0:
+            state = hf_weights(state, model.lora.alpha / model.lora.rank if model.lora else None)
+            write_hf_folder({k: v.to(DTYPES[model.dtype]) for k, v in state.items()}, self.model_dir, Path(out_dir),
+                            model.trust_remote_code)
+
+    def close(self) -> None:
+        if self.joined:
             dist.destroy_process_group()
+
+    def _autocast(self):
+        lower = self.dtype is not None and not self.sharded
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=lower)
+
+
+class _Ranks:
+    """The stage's SFT ranks as one: an SFTTrainer in this process, or a WorkerGroup of them."""
+
+    def __init__(self, local: SFTTrainer | None = None, group=None):
+        self.local, self.group = local, group
+        self.size = 1 if group is None else group.world_size
+
+    def all(self, method: str, *args) -> list:
+        if self.group is None:
+            return [getattr(self.local, method)(*args)]
+        return self.group.call(method, *args)
+
+    def each(self, method: str, per_rank_args: list[tuple]) -> list:
+        if self.group is None:
+            return [getattr(self.local, method)(*per_rank_args[0])]
+        return self.group.call_each(method, per_rank_args)
+
+    def step(self, examples: list[SFTExample]) -> tuple[float, float, float]:
+        """(loss, gradient norm, learning rate) of one optimizer step on `examples`, rank r taking every size-th."""
+        tokens = num_target_tokens(examples)
+        parts = self.each("step", [(examples[r :: self.size], tokens) for r in range(self.size)])
+        return sum(p[0] for p in parts), parts[0][1], parts[0][2]
+
+    def validation_loss(self, examples: list[SFTExample]) -> float:
+        shares = [examples[r :: self.size] for r in range(self.size)]
+        longest = max(len(s) for s in shares)
+        padded = [(s + [examples[0]] * (longest - len(s)), len(s)) for s in shares]
+        return sum(self.each("validation_sum", padded)) / num_target_tokens(examples)
+
+
+@contextmanager
+def _ranks(cfg: Config, model_dir: str, total_steps: int):
+    """One SFTTrainer here when the run has one device, else one per device as Ray actors (on this stage's own Ray
+    or `ray.address`'s cluster; released after, and Ray shut down if this call started it)."""
+    world = cfg.ray.num_trainers
+    if world == 1:
+        trainer = SFTTrainer(cfg, model_dir)
+        try:
+            trainer.schedule(total_steps)
+            yield _Ranks(local=trainer)
+        finally:
+            trainer.close()
+        return
+    import ray
+
+    from stages.workers.group import Placement, WorkerGroup, init_ray
+
+    started, placement, group = init_ray(cfg.ray), None, None
+    try:
+        placement = Placement(cfg.ray, num_roles=1)
+        group = WorkerGroup(SFTTrainer, cfg, model_dir, placement)
+        group.call("schedule", total_steps)
+        logger.info("sft: %d ranks (FSDP2 data parallel), %d sequences each per step", world,
+                    cfg.sft.train_batch_size // world)
+        yield _Ranks(group=group)
+    finally:
+        if group is not None:
+            group.kill()
+        if placement is not None:
+            placement.remove()
+        if started:
+            ray.shutdown()
 
 
 @dataclass
 class _Loop:
     cfg: Config
-    model: torch.nn.Module
-    policy: TokenLogprobs  # the model, as the loss sees it
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    pad_id: int
+    ranks: _Ranks
     tracker: Tracker
     checkpoints: Checkpoints
-    device: torch.device
-    sharded: bool  # sft.offload: FSDP2 (checkpoints are DCP folders)
 
     def run(self, train, val, step, steps_per_epoch, total_steps) -> dict[str, float]:
         sft = self.cfg.sft
@@ -281,16 +396,11 @@ class _Loop:
             epoch, pos = divmod(step, steps_per_epoch)
             order = epoch_order(len(train), self.cfg.run.seed, epoch)
             batch = [train[i] for i in order[pos * sft.train_batch_size : (pos + 1) * sft.train_batch_size]]
-            lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = train_step(self.policy, self.optimizer, batch, sft.micro_batch_size,
-                                         sft.optim.grad_clip, self.pad_id, self.device)
-            self.scheduler.step()
+            loss, grad_norm, lr = self.ranks.step(batch)
             step += 1
-            metrics = {"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(grad_norm),
-                       "train/epoch": epoch}
+            metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": epoch}
             if step % val_freq == 0 or step == total_steps:
-                metrics["val/loss"] = float(validation_loss(self.policy, val, sft.micro_batch_size, self.pad_id,
-                                                            self.device))
+                metrics["val/loss"] = self.ranks.validation_loss(val)
             self.tracker.log(metrics, step)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)  # redrawn on the bar's own clock
             bar.update()
@@ -301,12 +411,7 @@ class _Loop:
 
     def _save(self, step: int) -> None:
         with tempfile.TemporaryDirectory(dir=self.checkpoints.tmp_dir) as tmp:
-            state = {"step": step, "rng": torch.get_rng_state()}
-            if self.sharded:
-                save_train_state(Path(tmp) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
-            else:
-                state |= {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                          "scheduler": self.scheduler.state_dict()}
+            state = {"step": step, "rng": torch.get_rng_state(), **self.ranks.all("save", tmp)[0]}
             torch.save(state, Path(tmp) / CHECKPOINT_FILE)
             self.checkpoints.save(step, Path(tmp))
 
@@ -315,12 +420,7 @@ class _Loop:
         if latest is None:
             return 0
         state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
-        if self.sharded:
-            load_train_state(latest / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        self.ranks.all("load", str(latest))
         torch.set_rng_state(state["rng"])
         logger.info("sft: resumed from checkpoint at step %d", state["step"])
         return int(state["step"])

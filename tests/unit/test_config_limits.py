@@ -55,3 +55,11 @@ def test_unknown_evaluation_engine_is_refused_with_the_choices():
     assert load_config(None, ["evaluate.engine=vllm"]).evaluate.engine == "vllm"
     with pytest.raises(ConfigError, match=r"evaluate.engine = 'sglang'.*'auto', 'vllm', 'cuda' or 'hf'"):
         load_config(None, ["evaluate.engine=sglang"])
+
+
+def test_sft_ranks_must_divide_the_sft_batch():
+    assert load_config(None, ["sft.train_batch_size=48", "ray.num_devices_per_node=3"]).ray.num_trainers == 3
+    with pytest.raises(ConfigError, match=r"sft.train_batch_size=32 must be divisible by the number of SFT ranks, "
+                                          r"ray.num_devices_per_node \* ray.num_nodes = 3"):
+        load_config(None, ["ray.num_devices_per_node=3"])
+    assert load_config(None, ["sft.enabled=false", "ray.num_devices_per_node=3"]).sft.enabled is False

@@ -16,6 +16,7 @@ from stages.model.optim import lr_multiplier
 from stages.model.policy import TokenLogprobs
 from stages.sft import (
     SFTExample,
+    SFTTrainer,
     num_target_tokens,
     run_sft,
     sft_batch,
@@ -70,6 +71,15 @@ def test_micro_batching_does_not_change_the_step(tiny_config, tiny_model_dir, ex
         # the token mean of ~6-nat losses, each within ~1e-6 of its float64 value, summed in another order
         torch.testing.assert_close(params[micro][0], params[8][0], rtol=1e-5, atol=1e-6)
         assert_close_sgd_steps(params[micro][1], params[8][1], before, f"micro-batches of {micro}")
+
+
+def test_validation_pads_a_rank_share_without_counting_the_padding(tiny_config, tiny_model_dir, examples):
+    # sharded, every rank runs as many forwards: a shorter share is padded with examples whose tokens do not count
+    trainer = SFTTrainer(tiny_config, str(tiny_model_dir))
+    share = examples[:17]  # micro-batches of 16: one full, one of 1 row
+    padded = share + examples[17:20]
+    assert trainer.validation_sum(padded, real=17) == pytest.approx(trainer.validation_sum(share, real=17), rel=1e-6)
+    assert trainer.validation_sum(share, real=16) < trainer.validation_sum(share, real=17)
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():
