@@ -135,7 +135,7 @@ def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     from stages.model.safe_load import load_state
     from stages.sft import CHECKPOINT_FILE, SHARDED_DIR
 
-    if (folder / SHARDED_DIR / ".metadata").is_file():  # SFT with sft.offload: the weights are a DCP folder
+    if (folder / SHARDED_DIR / ".metadata").is_file():  # sharded SFT (offload, several ranks): a DCP folder
         return read_checkpoint_model_state(folder, SHARDED_DIR)
     sft_file = folder / CHECKPOINT_FILE
     if sft_file.is_file():

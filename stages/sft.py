@@ -213,7 +213,6 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
     if steps_per_epoch == 0:
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
     total_steps = cfg.sft.epochs * steps_per_epoch
-    torch.manual_seed(cfg.run.seed)
     with _ranks(cfg, str(model_dir), total_steps) as ranks:
         loop = _Loop(cfg, ranks, tracker, checkpoints)
         step = loop.resume()
@@ -233,7 +232,7 @@ class SFTTrainer:
 
     def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
-        self.cfg, self.model_dir, self.rank = cfg, model_dir, rank
+        self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.sharded = cfg.sft.offload or world_size > 1
         self.joined = self.sharded and not dist.is_initialized()  # a world this rank made, and leaves in close()
         if self.sharded:
@@ -241,6 +240,7 @@ class SFTTrainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg.model)
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        torch.manual_seed(cfg.run.seed)  # the same initial weights (LoRA adapters too) on every rank, and as on one
         model = load_model(model_dir, cfg.model.model_copy(update={"dtype": "float32"}))
         self.model = (model if cfg.sft.offload else model.to(self.device)).train()
         self.policy = sft_policy(self.model, self.device.type == "cuda")
@@ -248,6 +248,8 @@ class SFTTrainer:
             self.policy = shard(self.policy, param_dtype=self.dtype, offload=cfg.sft.offload)
         self.optimizer = build_optimizer(self.policy.parameters(), cfg.sft.optim)
         self.scheduler = None
+        if world_size > 1:
+            torch.manual_seed(cfg.run.seed + rank)  # per-rank randomness from here on (dropout)
 
     def schedule(self, total_steps: int) -> None:
         self.scheduler = build_scheduler(self.optimizer, self.cfg.sft.optim, total_steps)
@@ -281,6 +283,8 @@ class SFTTrainer:
         state dicts, returned for the checkpoint's file."""
         if self.sharded:
             save_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+            if self.world_size > 1:  # a Ray actor's own generator (one device: the driver saves this process's)
+                torch.save(torch.get_rng_state(), Path(folder) / f"rng_rank{self.rank}.pt")
             return {}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
@@ -288,6 +292,9 @@ class SFTTrainer:
     def load(self, folder: str) -> None:
         if self.sharded:
             load_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
+            rng = Path(folder) / f"rng_rank{self.rank}.pt"
+            if self.world_size > 1 and rng.is_file():  # absent when another number of ranks wrote the checkpoint
+                torch.set_rng_state(load_state(rng))
             return
         state = load_state(Path(folder) / CHECKPOINT_FILE)  # tensors and plain values only: it cannot run code
         self.model.load_state_dict(state["model"])
@@ -419,6 +426,15 @@ class _Loop:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
+        sharded = self.cfg.sft.offload or self.cfg.ray.num_trainers > 1
+        if sharded != (latest / SHARDED_DIR).is_dir():
+            held, trains = ("one unsharded state", "sharded") if sharded else ("DCP shards", "unsharded on one device")
+            raise RuntimeError(
+                f"sft: the checkpoint to resume ({latest.name}) holds {held}, but this run trains {trains}: runs with "
+                "sft.offload=true or ray.num_devices_per_node * ray.num_nodes > 1 resume sharded checkpoints (written "
+                "by any number of ranks), others unsharded ones. Resume with the settings that wrote it, or remove "
+                "this configuration's sft checkpoints (`python -m infra.store delete checkpoint/NAME@VERSION`) to "
+                "start over")
         state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
         self.ranks.all("load", str(latest))
         torch.set_rng_state(state["rng"])

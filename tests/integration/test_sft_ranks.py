@@ -82,3 +82,31 @@ def test_two_ranks_train_as_one_process_and_resume_exactly(ray_cluster, tiny_mod
     assert all(m["train/loss"] == by_step[m["step"]]["train/loss"] for m in resumed.seen)
     c = load_model(tmp_path / "b", load_config(None, TINY_OVERRIDES).model).state_dict()
     assert all(torch.equal(b[name], c[name]) for name in b)
+
+
+def test_two_ranks_train_lora_adapters_as_one_process(ray_cluster, tiny_model_dir, tiny_data_dir, tmp_path):
+    # every rank starts from the same random adapters (lora_A), the one process's: the steps after the first (where
+    # lora_B = 0 hides lora_A) are equal too
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "sft.epochs=1"]
+    one, two = StopAt(), StopAt()
+    run(lora, tiny_model_dir, tiny_data_dir, tmp_path / "one", ArtifactStore(str(tmp_path / "s0")), one)
+    run(lora + ["ray.num_devices_per_node=2"], tiny_model_dir, tiny_data_dir, tmp_path / "two",
+        ArtifactStore(str(tmp_path / "s1")), two)
+    assert len(one.seen) == len(two.seen) == 8
+    for got, want in zip(two.seen, one.seen):
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5), got["step"]
+
+
+def test_two_ranks_resume_their_dropout_streams_exactly(ray_cluster, tiny_model_dir, tiny_data_dir, tmp_path):
+    # with dropout each rank draws from its own generator: saved beside the shards, restored at resume
+    dropout = ["model.lora.rank=4", "model.lora.dropout=0.2", "sft.epochs=1", "ray.num_devices_per_node=2"]
+    straight = StopAt()
+    run(dropout, tiny_model_dir, tiny_data_dir, tmp_path / "a", ArtifactStore(str(tmp_path / "s0")), straight)
+    store = ArtifactStore(str(tmp_path / "s1"))
+    with pytest.raises(KeyboardInterrupt):
+        run(dropout, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, StopAt(stop=5))
+    resumed = StopAt()
+    run(dropout, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, resumed)
+    assert resumed.seen[0]["step"] == 4
+    by_step = {m["step"]: m for m in straight.seen}
+    assert all(m["train/loss"] == by_step[m["step"]]["train/loss"] for m in resumed.seen)

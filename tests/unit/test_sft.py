@@ -222,6 +222,18 @@ def test_offloaded_sft_trains_as_the_plain_path_and_resumes_exactly(tiny_model_d
     assert not torch.distributed.is_initialized()  # the world of one is gone again
 
 
+def test_a_checkpoint_of_the_other_layout_is_refused_with_the_fix(tiny_model_dir, tiny_data_dir, tmp_path):
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.save_freq=3"])
+    store = ArtifactStore(str(tmp_path / "s"))
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "a", store, StopAt(stop=5))
+    offloaded = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"offload": True})})
+    with pytest.raises(RuntimeError, match=r"holds one unsharded state, but this run trains sharded.*Resume with the "
+                                           r"settings that wrote it, or remove"):
+        _run(offloaded, tiny_model_dir, tiny_data_dir, tmp_path / "b", store, StopAt(stop=-1))
+    assert not torch.distributed.is_initialized()  # the world of one made for it is gone again
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FSDP2's CPU offload)")
 def test_offloaded_sft_on_cuda_learns_and_saves_the_model_dtype(tiny_model_dir, tiny_data_dir, tmp_path):
     result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "sft.offload=true", "model.dtype=bfloat16")
