@@ -296,7 +296,7 @@ class SFTTrainer:
             if self.world_size > 1 and rng.is_file():  # absent when another number of ranks wrote the checkpoint
                 torch.set_rng_state(load_state(rng))
             return
-        state = load_state(Path(folder) / CHECKPOINT_FILE)  # tensors and plain values only: it cannot run code
+        state = load_state(Path(folder) / CHECKPOINT_FILE, mmap=True)  # tensors and plain values: it cannot run code
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -435,7 +435,8 @@ class _Loop:
                 "by any number of ranks), others unsharded ones. Resume with the settings that wrote it, or remove "
                 "this configuration's sft checkpoints (`python -m infra.store delete checkpoint/NAME@VERSION`) to "
                 "start over")
-        state = load_state(latest / CHECKPOINT_FILE)  # tensors and plain values only: a checkpoint cannot run code
+        # tensors and plain values only: a checkpoint cannot run code; mapped, not read (the step and generator only)
+        state = load_state(latest / CHECKPOINT_FILE, mmap=True)
         self.ranks.all("load", str(latest))
         torch.set_rng_state(state["rng"])
         logger.info("sft: resumed from checkpoint at step %d", state["step"])
