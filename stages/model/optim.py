@@ -24,8 +24,8 @@ def _fused(trainable: list) -> bool | None:
     """True (one fused kernel a step) on GPUs, and for FSDP2 shards offloaded to host memory from one (sft.offload,
     rl.actor.param_offload): there torch's default, a loop of a dozen passes a tensor, took 4.5-5.5 s of an 11 s
     step at 3B; fused took 3.3-3.5x less on FSDP2 shards at 1 and 2 threads (bench/results/2026-11-24-cpu-adamw.md),
-    and 6.5x less on a 16-core H100 host, making that step 7.2 s (bench/results/2026-11-25-gpu-sft-offload-adamw.md).
-    None (torch's default) for runs on CPU only, as before."""
+    and 6.5-7.9x less on 16-core H100 hosts, making that step 6.9-7.3 s
+    (bench/results/2026-11-25-gpu-sft-offload-adamw.md). None (torch's default) for runs on CPU only, as before."""
     if all(p.is_cuda for p in trainable):
         return True
     offloaded = torch.cuda.is_available() and all(isinstance(p, DTensor) and p.to_local().device.type == "cpu"
