@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from infra.config import load_config
 from stages.model.fsdp import read_checkpoint_model_state
 from stages.model.safe_load import (
     SafeFileSystemReader,
@@ -78,8 +79,7 @@ def test_sft_train_state_with_code_is_refused(tmp_path):
     model = torch.nn.Linear(2, 2)
     torch.save({"step": 3, "model": model.state_dict(), "scheduler": Payload(marker)}, tmp_path / CHECKPOINT_FILE)
     with pytest.raises(UnsafeCheckpointError, match=CHECKPOINT_FILE):
-        _Loop(None, model, None, None, None, 0, None, FolderCheckpoints(tmp_path), torch.device("cpu"),
-              sharded=False).resume()
+        _Loop(load_config(None, []), None, None, FolderCheckpoints(tmp_path)).resume()  # before any rank loads it
     assert not marker.exists()
 
 
