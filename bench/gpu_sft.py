@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_common import Results, machine, measure_ceilings, num_params, workload_model, workload_prompts  # noqa: E402
 from stages import sft  # noqa: E402
-from stages.model.optim import _fused  # noqa: E402
+from stages.model.optim import fused_adamw  # noqa: E402
 
 
 def main():
@@ -56,7 +56,7 @@ def main():
 
         init_process_group()
         trained = shard(trained, param_dtype=torch.bfloat16, offload=True)
-    fused = {"auto": _fused(list(trained.parameters())), "fused": True, "default": None}[args.adamw]
+    fused = {"auto": fused_adamw(list(trained.parameters())), "fused": True, "default": None}[args.adamw]
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6, fused=fused)
     res.add("optimizer", {"adamw": args.adamw, "fused": fused})
     device = {"device": torch.device("cuda")} if args.offload else {}

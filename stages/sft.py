@@ -221,6 +221,11 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
     return SFTResult(out_dir, total_steps, metrics)
 
 
+def sharded(cfg: Config) -> bool:
+    """Whether SFT trains FSDP2 shards (DCP checkpoints): offloaded, or on several devices."""
+    return cfg.sft.offload or cfg.ray.num_trainers > 1
+
+
 class SFTTrainer:
     """One SFT rank: the policy, its optimizer and schedule. In the stage's process when the run has one device
     (`ray.num_devices_per_node * ray.num_nodes`), else rank r of that many Ray actors, one device each, the policy
@@ -233,7 +238,7 @@ class SFTTrainer:
     def __init__(self, cfg: Config, model_dir: str, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
-        self.sharded = cfg.sft.offload or world_size > 1
+        self.sharded = sharded(cfg)  # world_size is cfg.ray.num_trainers
         self.joined = self.sharded and not dist.is_initialized()  # a world this rank made, and leaves in close()
         if self.sharded:
             init_process_group(rank, world_size, master_addr, master_port)
@@ -426,9 +431,9 @@ class _Loop:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
-        sharded = self.cfg.sft.offload or self.cfg.ray.num_trainers > 1
-        if sharded != (latest / SHARDED_DIR).is_dir():
-            held, trains = ("one unsharded state", "sharded") if sharded else ("DCP shards", "unsharded on one device")
+        shards = sharded(self.cfg)
+        if shards != (latest / SHARDED_DIR).is_dir():
+            held, trains = ("one unsharded state", "sharded") if shards else ("DCP shards", "unsharded on one device")
             raise RuntimeError(
                 f"sft: the checkpoint to resume ({latest.name}) holds {held}, but this run trains {trains}: runs with "
                 "sft.offload=true or ray.num_devices_per_node * ray.num_nodes > 1 resume sharded checkpoints (written "

@@ -17,10 +17,10 @@ def build_optimizer(params, cfg: OptimConfig, offload_state: bool = False) -> to
         raise ValueError("no trainable parameters: check model.lora.target_modules")
     kind = OffloadedAdamW if offload_state else torch.optim.AdamW
     return kind(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=1e-8,
-                fused=_fused(trainable))
+                fused=fused_adamw(trainable))
 
 
-def _fused(trainable: list) -> bool | None:
+def fused_adamw(trainable: list) -> bool | None:
     """True (one fused kernel a step) on GPUs, and for FSDP2 shards offloaded to host memory from one (sft.offload,
     rl.actor.param_offload): there torch's default, a loop of a dozen passes a tensor, took 4.5-5.5 s of an 11 s
     step at 3B; fused took 3.3-3.5x less on FSDP2 shards at 1 and 2 threads (bench/results/2026-11-24-cpu-adamw.md),
