@@ -50,8 +50,6 @@ def parse_args():
     p.add_argument("--profile", action="store_true", help="profile eager decode steps at full batch (kernel table)")
     p.add_argument("--attention-tiling", nargs="*", default=[], metavar="SPLIT,BLOCK_N,WARPS,STAGES",
                    help="also engines whose decode attention uses these tilings (bench/gpu_decode_kernels.py)")
-    p.add_argument("--decode-groups", nargs="*", type=int, default=[], metavar="G",
-                   help="also engines whose decode step runs its rows in G groups side by side (decode_groups)")
     return p.parse_args()
 
 
@@ -85,9 +83,9 @@ def fill_slots(engine, low: int, high: int) -> None:
     s.gen[:b], s.done[:b] = 0, False
 
 
-def decode_step_seconds(engine, low: int, high: int, rows: int | None = None) -> dict:
-    """One decode step of `rows` slots (default all): graph replay and eager (the difference is launch overhead)."""
-    b, mode = rows or engine.max_num_seqs, SamplingMode(False)
+def decode_step_seconds(engine, low: int, high: int) -> dict:
+    """One decode step at full batch: graph replay and eager (the difference is launch overhead)."""
+    b, mode = engine.max_num_seqs, SamplingMode(False)
     fill_slots(engine, low, high)
     graph = engine._graph(b, engine.decoder.max_len, mode)
     replay = cuda_time(lambda: [graph.replay() for _ in range(10)], warmup=1, repeat=5) / 10
@@ -230,9 +228,6 @@ def main() -> None:
     for tiling in args.attention_tiling:
         res.attempt(f"tiling_{tiling}", tiled_engine, res, tiling, model, prompts, params, hi + max_tokens,
                     concurrency, lo)
-    for groups in args.decode_groups:
-        res.attempt(f"groups_{groups}", measured_engine, res, f"groups_{groups}", model, prompts, params,
-                    hi + max_tokens, concurrency, lo, decode_groups=groups)
     if args.variants:
         for label, kwargs in (("flash_attention", {"attention": "flash"}),
                               ("torch_sampling", {"fused_sampling": False}),
@@ -292,8 +287,6 @@ def measured_engine(res, label: str, model, prompts, params, max_model_len: int,
                     **logprob_gap(model, outs, prompts, model.config.pad_token_id, params.temperature)})
     if torch.cuda.is_available():
         res.add(label, decode_step_seconds(engine, low, max_model_len - 64))
-        for rows in (concurrency // 2, concurrency // 4):
-            res.add(label, {f"step_ms_{rows}": decode_step_seconds(engine, low, max_model_len - 64, rows)["step_ms"]})
 
 
 def fp8_engine(res, model, prompts, params, max_model_len: int, concurrency: int, low: int, ceilings: dict) -> None:
@@ -343,10 +336,6 @@ def summary(res: Results, mean_context: float) -> None:
     for key in [k for k in d if k.startswith("tiling_")]:
         rows.append((key + " tok/s | decode step ms", f"{d[key].get('tok_s', 0):,.0f} | {d[key].get('step_ms', 0):.3f}",
                      d[key].get("error", "")))
-    for key in [k for k in d if k.startswith("groups_")]:
-        g, steps = d[key], [f"{v:.3f}" for k, v in d[key].items() if k.startswith("step_ms")]
-        rows.append((key + " tok/s | decode step ms (full, 1/2, 1/4 batch)",
-                     f"{g.get('tok_s', 0):,.0f} | {' / '.join(steps)}", g.get("error", "")))
     for key in [k for k in d if k.startswith("variant_")]:
         rows.append((key + " tok/s", d[key].get("tok_s", d[key].get("error", "?")), ""))
     rows.append(("matmul TFLOP/s | copy TB/s", f"{d['ceilings']['bf16_matmul_tflops']:.0f} | "

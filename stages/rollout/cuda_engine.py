@@ -108,15 +108,11 @@ class CudaRolloutEngine:
                  compile: bool | None = None, sync_every: int = 4, max_prefill_tokens: int = 16384,
                  release_memory_on_sleep: bool | None = False, fused_sampling: bool | None = None,
                  prefix_cache_rows: int = 0, quantization: str | None = None,
-                 tensor_parallel_group: dist.ProcessGroup | None = None, decode_groups: int = 1):
+                 tensor_parallel_group: dist.ProcessGroup | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens),
-                            ("decode_groups", decode_groups)):
+                            ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        if decode_groups > 1 and tensor_parallel_group is not None:
-            raise ValueError("decode_groups > 1 with tensor parallelism: the groups' all-reduces would interleave "
-                             "across ranks; use decode_groups=1")
         if prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows={prefix_cache_rows} must be >= 0 (0: no prefix reuse)")
         param = next(model.parameters())
@@ -137,7 +133,7 @@ class CudaRolloutEngine:
             raise ValueError("use_cuda_graphs=True needs a CUDA device")
         self.eos_token_id = eos_token_id
         self.max_num_seqs, self.max_model_len, self.sync_every = max_num_seqs, max_model_len, sync_every
-        self.max_prefill_tokens, self.decode_groups = max_prefill_tokens, decode_groups
+        self.max_prefill_tokens = max_prefill_tokens
         body, _ = hf_parts(model)
         kv_len = max_model_len + sync_every  # finished sequences may overrun by sync_every - 1 steps
         self.decoder = Decoder(model.config, body.rotary_emb, self.device, self.dtype, max_num_seqs, kv_len,
@@ -335,7 +331,7 @@ class CudaRolloutEngine:
 
     def _decode_step(self, bucket: int, kv_len: int, mode: SamplingMode) -> None:
         s = self.slots
-        logits = self.decoder.decode(s.token[:bucket], s.pos[:bucket], kv_len, self.decode_groups)
+        logits = self.decoder.decode(s.token[:bucket], s.pos[:bucket], kv_len)
         tokens, logprobs = self.sampler.sample(logits, mode)
         self._record(s.rows[:bucket], tokens, logprobs, advance=True)
 

@@ -36,7 +36,6 @@ becomes dynamic after the second size seen, so a couple of compilations serve ev
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -288,14 +287,6 @@ def final_norm(h, delta, norm_w, eps: float):
     return rms_norm(h + delta, norm_w, eps)
 
 
-def row_groups(rows: int, groups: int) -> list[tuple[int, int]]:
-    """[start, end) of up to `groups` near-equal row groups of `rows` (sizes rounded up to multiples of 8 from 8
-    rows on, so the last group may be smaller or absent)."""
-    size = -(-rows // max(1, groups))
-    size = -(-size // 8) * 8 if size >= 8 else max(size, 1)
-    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
-
-
 class Decoder:
     """Forward passes of the decoder over the engine's slots. Not an nn.Module: it trains nothing."""
 
@@ -335,7 +326,6 @@ class Decoder:
         self._cu_q = torch.arange(max_slots + 1, device=device, dtype=torch.int32)  # one query per slot
         self._cu_k = self._cu_q * max_len  # each slot's cache region in the flattened cache
         self._cu_grouped = self._cu_q * (self.shape.num_heads // self.shape.num_kv_heads)
-        self._streams: list[torch.cuda.Stream] = []  # decode's row groups (`groups`), created on first use
 
     def allocate_cache(self) -> None:
         s = self.shape
@@ -440,73 +430,40 @@ class Decoder:
         return torch.cat(outs)
 
     @torch.no_grad()
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int, groups: int = 1) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each of the slots [0, B): ids, positions (B,) -> logits (B, V).
 
         The token's K/V are written at its position; attention covers positions 0..position of the slot.
         `kv_len` (sdpa only) bounds the cache entries read: every position must be below it.
-        `groups` > 1: the slots are cut into that many row groups whose layers run side by side, each on its own
-        CUDA stream (one after the other off CUDA), joined before the head; the rows do not interact, so only the
-        matmuls' shapes change. On the GPU this lets one group's latency-bound kernels (small matmuls, norms) run
-        while another's attention streams its cache.
         """
-        cuts = row_groups(ids.shape[0], groups)
-        if len(cuts) == 1:
-            normed = self._decode_rows(ids, positions, kv_len, 0)
-        else:
-            normed = torch.cat(self._side_by_side([
-                functools.partial(self._decode_rows, ids[a:b], positions[a:b], kv_len, a) for a, b in cuts]))
-        return F.linear(normed, self.weights.lm_head)
-
-    def _side_by_side(self, calls: list) -> list[torch.Tensor]:
-        """Each call on its own side stream (CUDA), all of them after the current stream's work; the current
-        stream waits for them all. Side streams are kept, so captured graphs and warm-ups use the same ones."""
-        if self.device.type != "cuda":
-            return [call() for call in calls]
-        main = torch.cuda.current_stream(self.device)
-        while len(self._streams) < len(calls):
-            self._streams.append(torch.cuda.Stream(self.device))
-        outs = []
-        for call, stream in zip(calls, self._streams):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                outs.append(call())
-        for stream in self._streams[: len(calls)]:
-            main.wait_stream(stream)
-        return outs
-
-    def _decode_rows(self, ids, positions, kv_len: int, first: int) -> torch.Tensor:
-        """decode for the slots [first, first + len(ids)) -> their final-normed hidden states (rows, H)."""
         b = ids.shape[0]
-        rows = self._cu_q[first : first + b].long()
+        rows = self._cu_q[:b].long()
         if self.attention == "triton":
             used = (positions + 1).to(torch.int32)
-            attend = lambda i, qkv: self._triton_decode(i, qkv, positions, used, first)  # noqa: E731
+            attend = lambda i, qkv: self._triton_decode(i, qkv, positions, used)  # noqa: E731
         else:
             cos, sin = self.cos[positions], self.sin[positions]
             if self.attention == "flash":
                 used = (positions + 1).to(torch.int32)
-                decode = lambda i, q, k, v: self._flash_decode(i, q, k, v, rows, first, positions, used)  # noqa: E731
+                decode = lambda i, q, k, v: self._flash_decode(i, q, k, v, rows, positions, used)  # noqa: E731
             else:
                 valid = torch.arange(kv_len, device=ids.device)[None, :] <= positions[:, None]  # (B, T)
-                decode = lambda i, q, k, v: self._sdpa_decode(i, q, k, v, rows, first, positions, valid)  # noqa: E731
+                decode = lambda i, q, k, v: self._sdpa_decode(i, q, k, v, rows, positions, valid)  # noqa: E731
             attend = lambda i, qkv: decode(i, *self._rotated(i, qkv, cos, sin))  # noqa: E731
-        h, delta = self._layers(ids, attend)
-        return self._final_norm(h, delta, self.weights.final_norm, self.shape.eps)
+        return self._logits(*self._layers(ids, attend))
 
     def _write(self, i, k, v, rows, positions) -> None:
         self.kv[i, 0].index_put_((rows, positions), k)
         self.kv[i, 1].index_put_((rows, positions), v)
 
-    def _triton_decode(self, i, qkv, positions, used, first: int):
+    def _triton_decode(self, i, qkv, positions, used):
         """Rotation (and Qwen3's q/k norms) and the K/V write in one kernel, then split-KV attention."""
         b, w, s = qkv.shape[0], self.weights, self.shape
-        keys, values = self.kv[i, 0, first : first + b], self.kv[i, 1, first : first + b]
-        q = self._triton_rope_write(qkv, self.cos, self.sin, positions, s.num_heads, keys, values,
+        q = self._triton_rope_write(qkv, self.cos, self.sin, positions, s.num_heads, self.kv[i, 0], self.kv[i, 1],
                                     w.q_norm[i], w.k_norm[i], s.eps)
-        return self._triton_attention(q, keys, values, used, self.scale)
+        return self._triton_attention(q, self.kv[i, 0, :b], self.kv[i, 1, :b], used, self.scale)
 
-    def _flash_decode(self, i, q, k, v, rows, first: int, positions, used):
+    def _flash_decode(self, i, q, k, v, rows, positions, used):
         """The `groups` query heads of a kv head are run as a 7-token query "sequence" of that kv head (no
         causal mask: all of them sit at the last position), so each CTA reads a kv head's cache once."""
         self._write(i, k, v, rows, positions)
@@ -514,20 +471,20 @@ class Decoder:
         groups = s.num_heads // s.num_kv_heads
         queries = q.view(b, s.num_kv_heads, groups, s.head_dim).transpose(1, 2).reshape(b * groups, s.num_kv_heads,
                                                                                        s.head_dim)
-        keys = self.kv[i, 0, first : first + b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
-        values = self.kv[i, 1, first : first + b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
+        keys = self.kv[i, 0, :b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
+        values = self.kv[i, 1, :b].view(b * self.max_len, s.num_kv_heads, s.head_dim)
         out = torch.ops.aten._flash_attention_forward(
             queries, keys, values, self._cu_grouped[: b + 1], self._cu_k[: b + 1], groups, self.max_len, 0.0,
             False, False, scale=self.scale, seqused_k=used,
         )[0]  # (B * groups, kv_heads, D)
         return out.view(b, groups, s.num_kv_heads, s.head_dim).transpose(1, 2).reshape(b, s.num_heads, s.head_dim)
 
-    def _sdpa_decode(self, i, q, k, v, rows, first: int, positions, valid):
+    def _sdpa_decode(self, i, q, k, v, rows, positions, valid):
         self._write(i, k, v, rows, positions)
         b, t, s = q.shape[0], valid.shape[1], self.shape
         groups = s.num_heads // s.num_kv_heads
-        keys = self.kv[i, 0, first : first + b, :t].transpose(1, 2)  # (B, kv_heads, T, D)
-        values = self.kv[i, 1, first : first + b, :t].transpose(1, 2)
+        keys = self.kv[i, 0, :b, :t].transpose(1, 2)  # (B, kv_heads, T, D)
+        values = self.kv[i, 1, :b, :t].transpose(1, 2)
         queries = q.view(b, s.num_kv_heads, groups, s.head_dim)  # head h uses kv head h // groups
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :],
                                              scale=self.scale)

@@ -111,39 +111,6 @@ def test_same_seed_same_samples_other_seed_other_samples():
     assert run(5) != run(6)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "triton"])
-def test_decode_row_groups_change_nothing_but_the_matmul_shapes(attention):
-    """decode_groups: the slots' rows in groups (side by side on CUDA streams on a GPU; in turn here) give transformers'
-    greedy tokens and the trainer's logprobs, through admission and compaction (buckets of 1 to 8 rows)."""
-    if attention == "triton" and _triton_device() != "cpu":
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
-    model = tiny_model()
-    batch = prompts(7)
-    engine = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40, sync_every=3, attention=attention,
-                               decode_groups=3)
-    outs = engine.generate(batch, SamplingParams(n=2, temperature=0.0, max_tokens=16, stop_token_ids=(-5,)))
-    assert [o.response_ids for o in outs] == [hf_greedy(model, p, 16, -5) for p in batch for _ in range(2)]
-    sampled = engine.generate(batch, SamplingParams(n=2, temperature=0.7, max_tokens=16, seed=3))
-    rows = build_batch([batch[o.prompt_index] for o in sampled], [o.response_ids for o in sampled],
-                       [o.logprobs for o in sampled], pad_token_id=PAD)
-    with torch.no_grad():
-        logprobs, _ = TokenLogprobs(model)(**rows.model_inputs(), temperature=0.7)
-    assert ((logprobs - rows.tensors["rollout_logprobs"]).abs() * rows.response_mask).max().item() < LOGPROB_ATOL
-
-
-def test_row_groups_cover_the_rows_in_order():
-    from stages.rollout.cuda_model import row_groups
-
-    assert row_groups(256, 2) == [(0, 128), (128, 256)]
-    assert row_groups(250, 2) == [(0, 128), (128, 250)]
-    assert row_groups(5, 2) == [(0, 3), (3, 5)] and row_groups(1, 4) == [(0, 1)]
-    for rows in range(1, 70):
-        for groups in range(1, 5):
-            cuts = row_groups(rows, groups)
-            assert cuts[0][0] == 0 and cuts[-1][1] == rows and len(cuts) <= groups
-            assert all(a < b and b == c for (a, b), (c, _) in zip(cuts, cuts[1:] + [(rows, None)]))
-
-
 def assert_greedy_like_hf(engine, model, batch: list[list[int]], params: SamplingParams) -> None:
     expected = [hf_greedy(model, p, params.max_tokens, params.stop_token_ids[0]) for p in batch]
     assert greedy_margin(model, batch, expected) > LOGPROB_ATOL  # no near-tie: the engines must agree
