@@ -12,7 +12,7 @@ Algorithm (one `generate` call; sequences = prompts x n, prompt-major):
    padding: harmless writes into free slots). Each step (forward, sampling, bookkeeping) is one CUDA
    graph per (bucket, sampling mode), captured on first use, replayed afterwards.
 4. Harvest. After a round the done flags are read; finished sequences are copied out (trimmed at their
-   first stop token or at max_tokens) and their slots freed; the last running slots move into the holes
+   first stop token or at their token limit) and their slots freed; the last running slots move into the holes
    (K/V rows included), so B shrinks and smaller, cheaper buckets run: finished sequences stop costing
    compute, up to `sync_every - 1` steps of overrun (their extra tokens are dropped).
 
@@ -76,11 +76,11 @@ class _Slots:
         self.out_tokens = torch.zeros(num_slots, width, **kw)
         self.out_logprobs = torch.zeros(num_slots, width, device=device)
         self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, **kw)
-        self.max_tokens = torch.ones((), **kw)
+        self.limit = torch.zeros(num_slots, **kw)  # tokens a slot may generate: max_tokens, or less near max_model_len
         self.rows = torch.arange(num_slots, device=device)
 
     def rows_state(self) -> tuple[torch.Tensor, ...]:
-        return self.token, self.pos, self.gen, self.done, self.out_tokens, self.out_logprobs
+        return self.token, self.pos, self.gen, self.done, self.limit, self.out_tokens, self.out_logprobs
 
     def reset_from(self, start: int) -> None:
         """Free slots: position 0, nothing generated, done (their padding-row writes stay in range)."""
@@ -92,7 +92,9 @@ class CudaRolloutEngine:
     """RolloutEngine (base.py) over a transformers Qwen2/Llama model; fast on CUDA, correct anywhere.
 
     model: the HF causal LM whose weights are copied (it is not kept). max_model_len bounds prompt +
-    response tokens; max_num_seqs is the number of concurrent sequences (KV cache rows); prefix_cache_rows is
+    response tokens: a sequence that reaches it ends there (finish reason `length`, as in vLLM), so one call may
+    mix long prompts with a max_tokens that only the short ones have room for (a multi-turn batch's turns);
+    max_num_seqs is the number of concurrent sequences (KV cache rows); prefix_cache_rows is
     the number of finished sequences whose K/V are kept for a continuation (0: off). quantization 'fp8':
     the layers' projections in float8 with per-channel scales, requantised at every `update_weights`
     (fp8.py; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
@@ -217,8 +219,8 @@ class CudaRolloutEngine:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one prompt, each of at least one token")
         longest = max(len(p) for p in prompt_ids)
-        if longest + params.max_tokens > self.max_model_len:
-            raise ValueError(f"a prompt of {longest} tokens + max_tokens={params.max_tokens} exceeds the engine's "
+        if longest >= self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room to generate within the engine's "
                              f"max_model_len={self.max_model_len}; raise max_model_len or shorten the prompts")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
@@ -230,7 +232,7 @@ class CudaRolloutEngine:
         stops = list(params.stop_token_ids) or [self.eos_token_id]
         self.slots.stop_ids.fill_(-1)
         self.slots.stop_ids[: len(stops)] = torch.tensor(stops)
-        self.slots.max_tokens.fill_(params.max_tokens)
+        self._max_tokens = params.max_tokens
         self.sampler.set_temperature(params.logprob_temperature)
         self._stops = set(stops)
 
@@ -281,6 +283,7 @@ class CudaRolloutEngine:
         rows, s = slots.to(dev), self.slots
         s.pos[rows] = full.repeat_interleave(n).to(dev)
         s.gen[rows] = 0
+        s.limit[rows] = (self.max_model_len - full).clamp(max=self._max_tokens).repeat_interleave(n).to(dev)
         s.done[rows] = False
         self._record(rows, tokens, logprobs, advance=False)
         self._active += [i * n + k for i in indices for k in range(n)]
@@ -300,14 +303,14 @@ class CudaRolloutEngine:
         return read_slot, full.to(self.device, torch.int32), int(full.max())
 
     def _record(self, rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, advance: bool) -> None:
-        """Append each row's new token (and its logprob); mark rows that hit a stop token or max_tokens."""
+        """Append each row's new token (and its logprob); mark rows that hit a stop token or their limit."""
         s = self.slots
         gen = s.gen[rows]
         s.out_tokens.index_put_((rows, gen), tokens)
         s.out_logprobs.index_put_((rows, gen), logprobs.float())
         gen = gen + 1
         s.gen[rows] = gen
-        stop = (tokens[:, None] == s.stop_ids[None, :]).any(-1) | (gen >= s.max_tokens)
+        stop = (tokens[:, None] == s.stop_ids[None, :]).any(-1) | (gen >= s.limit[rows])
         s.done[rows] = s.done[rows] | stop
         if advance:
             s.pos[rows] = s.pos[rows] + 1
@@ -344,9 +347,9 @@ class CudaRolloutEngine:
         rows = torch.tensor(done, device=self.device)
         tokens = s.out_tokens[rows, : params.max_tokens].tolist()
         logprobs = s.out_logprobs[rows, : params.max_tokens].tolist()
-        for slot, toks, lps in zip(done, tokens, logprobs):
+        for slot, toks, lps, limit in zip(done, tokens, logprobs, s.limit[rows].tolist()):
             seq = self._active[slot]
-            results[seq] = _trim(toks, lps, self._stops, seq // params.n)
+            results[seq] = _trim(toks[:limit], lps[:limit], self._stops, seq // params.n)
         if self.prefix is not None:
             self._park(done, results, params.n)
         self._compact(done)

@@ -117,6 +117,20 @@ def assert_greedy_like_hf(engine, model, batch: list[list[int]], params: Samplin
     assert [o.response_ids for o in engine.generate(batch, params)] == expected
 
 
+def test_a_sequence_ends_at_max_model_len_as_in_vllm():
+    """One call with prompts of different lengths and one max_tokens (a multi-turn batch: later turns carry longer
+    prompts): each sequence gets min(max_tokens, room left) tokens, transformers' greedy ones, through compaction."""
+    model = tiny_model()
+    batch = [p + p + p for p in prompts(5)]  # 9 to 24 tokens
+    engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=40, sync_every=3)
+    expected = [hf_greedy(model, p, min(20, 40 - len(p)), -5) for p in batch]
+    assert greedy_margin(model, batch, expected) > LOGPROB_ATOL  # no near-tie: the engines must agree
+    outs = engine.generate(batch, SamplingParams(n=1, temperature=0.0, max_tokens=20, stop_token_ids=(-5,)))
+    for want, out in zip(expected, outs):
+        assert out.response_ids == want and len(out.logprobs) == len(want) and out.finish_reason == "length"
+    assert any(len(p) + 20 > 40 for p in batch) and any(len(p) + 20 <= 40 for p in batch)
+
+
 def test_update_weights_changes_outputs_like_the_model():
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     engine = CudaRolloutEngine(model, EOS, max_num_seqs=4, max_model_len=40)
@@ -268,7 +282,7 @@ def test_prefix_index_finds_the_longest_parked_prefix():
 def test_bad_requests_name_the_limit():
     engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=20)
     with pytest.raises(ValueError, match="max_model_len=20"):
-        engine.generate([[5] * 15], SamplingParams(max_tokens=10))
+        engine.generate([[5] * 20], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="max_num_seqs=4"):
         engine.generate([[5]], SamplingParams(n=5, max_tokens=2))
     with pytest.raises(ValueError, match="max_num_seqs=0"):
