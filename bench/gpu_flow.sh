@@ -9,6 +9,7 @@
 #       -d gpuwhl -r needed.txt && tar cf gpuwhl.tar gpuwhl && split -b 54600000 gpuwhl.tar gpuwhl.part.
 # Usage, on the GPU machine:
 #   bash bench/gpu_flow.sh PARTS_DIR OUT_DIR [recipe overrides...]
+# RECIPE=recipes/gpu_tool_calc.yaml picks another recipe (default recipes/gpu_demo.yaml).
 # PARTS_DIR holds gpuwhl.part.* (skipped when /tmp/site is installed already); OUT_DIR gets the console,
 # the run's logs, metrics and report (no weights).
 set -euo pipefail
@@ -28,7 +29,7 @@ torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 start=$(date +%s)
 status=0
-python3 -m flows.post_train recipes/gpu_demo.yaml "$@" 2>&1 | tee "$out/console.log" || status=$?
+python3 -m flows.post_train "${RECIPE:-recipes/gpu_demo.yaml}" "$@" 2>&1 | tee "$out/console.log" || status=$?
 echo "flow exit status $status after $(( $(date +%s) - start )) s" | tee -a "$out/console.log"
 run=$(ls -td outputs/runs/*/ | head -1)
 tar czf "$out/run.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' --exclude='*.bin' \
