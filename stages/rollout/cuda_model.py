@@ -23,10 +23,11 @@ transformers model, with the same operation order as transformers so that greedy
 - park: (layers, 2, rows, max_len, kv_heads, head_dim), K/V of finished sequences kept between engine calls
   (the engine's prefix reuse for multi-turn trajectories); `park_kv` / `unpark_kv` copy slots to rows and back;
 - decode: one token per slot for slots [0, B); attention reads each slot's first pos+1 cache entries:
-  `triton` (CUDA: split-KV flash-decoding, triton_kernels.py; the default there), `flash` (CUDA: the
-  flash kernel's varlen path with per-slot lengths; one program per sequence and kv head, so it is
-  latency-bound at decode) or `sdpa` (any device: masked attention over the first `kv_len` entries, a
-  bucket of the engine's).
+  `triton` (CUDA: triton_kernels.py `decode_step_attention`, which also rotates q and k and writes the new
+  K/V: one program per (slot, kv head) at large batch, split-KV flash-decoding at small; the default there),
+  `flash` (CUDA: the flash kernel's varlen path with per-slot lengths; one program per sequence and kv
+  head, no splits, so it is latency-bound at decode) or `sdpa` (any device: masked attention over the first
+  `kv_len` entries, a bucket of the engine's).
 
 Pointwise work between matmuls (norms, rotary, SwiGLU, residual adds) is in small functions that the
 engine may `torch.compile`, with the matmuls called between them (see `attn_inputs`); the token dimension
@@ -302,9 +303,9 @@ class Decoder:
         if attention == "flash" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError("attention='flash' needs a CUDA device and bfloat16/float16 weights; use 'sdpa'")
         if attention == "triton":
-            from stages.rollout.triton_kernels import decode_attention, rope_write
+            from stages.rollout.triton_kernels import decode_step_attention
 
-            self._triton_attention, self._triton_rope_write = decode_attention, rope_write
+            self._triton_attention = decode_step_attention
         self.device, self.dtype, self.attention = device, dtype, attention
         self.max_slots, self.max_len = max_slots, max_len
         self.weights = DecoderWeights(self.shape, device, dtype, fp8, full, rank)
@@ -457,11 +458,10 @@ class Decoder:
         self.kv[i, 1].index_put_((rows, positions), v)
 
     def _triton_decode(self, i, qkv, positions, used):
-        """Rotation (and Qwen3's q/k norms) and the K/V write in one kernel, then split-KV attention."""
-        b, w, s = qkv.shape[0], self.weights, self.shape
-        q = self._triton_rope_write(qkv, self.cos, self.sin, positions, s.num_heads, self.kv[i, 0], self.kv[i, 1],
-                                    w.q_norm[i], w.k_norm[i], s.eps)
-        return self._triton_attention(q, self.kv[i, 0, :b], self.kv[i, 1, :b], used, self.scale)
+        """Rotation (and Qwen3's q/k norms), the K/V write and attention (triton_kernels.decode_step_attention)."""
+        w, s = self.weights, self.shape
+        return self._triton_attention(qkv, self.cos, self.sin, positions, used, s.num_heads, self.kv[i, 0],
+                                      self.kv[i, 1], self.scale, w.q_norm[i], w.k_norm[i], s.eps)
 
     def _flash_decode(self, i, q, k, v, rows, positions, used):
         """The `groups` query heads of a kv head are run as a 7-token query "sequence" of that kv head (no

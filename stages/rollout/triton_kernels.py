@@ -1,12 +1,18 @@
-"""Triton kernels of the cuda rollout engine's decode step: split-KV attention and fused sampling.
+"""Triton kernels of the cuda rollout engine's decode step: attention (with the rotation and K/V write) and sampling.
 
-decode_attention (flash-decoding): one query token per sequence against its first `length` cache
-entries. The KV range is cut into splits of `split` positions; program (b, kv head, split) runs the
-`groups` query heads of that kv head together (padded to 16 rows for the tensor cores) with an online
-softmax over 64-position blocks and writes a normalised partial output and its log-sum-exp; a second
-kernel combines the splits. Only the valid entries are read, and every sequence's work is spread over
-many programs (a per-sequence kernel is latency-bound at decode: the flash kernel took ~46 us per layer
-at 256 sequences here, for ~7 us of bytes).
+decode_step_attention: the step's attention from a layer's qkv projection, one query token per sequence. With
+many (sequence, kv head) pairs (at least DIRECT_MIN_PROGRAMS, i.e. about one per SM: 64 sequences of a 2-kv-head
+model) one program per pair does everything: rotates its query heads and its key (after Qwen3's per-head q/k
+norms), writes the new K/V at the sequence's position, runs an online softmax over the cached positions in
+64-position blocks (the pair's `groups` query heads together, padded to 16 rows for the tensor cores) and adds
+the new token's key and value from registers. On an H100 at 256 sequences this is 25 us a layer against 30 us
+for the split kernel and its combine (54 MB of K/V: floor 17.5 us), and the separate rotation kernel (4.5 us)
+is gone (bench/results/2026-11-26-gpu-decode-attention.md).
+
+Fewer pairs: `rope_write` (rotation and K/V write in one kernel, one program per row) then `decode_attention`
+(flash-decoding): the KV range is cut into splits of `split` positions; program (b, kv head, split) writes a
+normalised partial output and its log-sum-exp, and a second kernel combines the splits, so that a few long
+sequences still spread over many programs.
 
 sample: one pass over the bf16 logits in 32 splits of the vocabulary per row: each split's max and sum of
 exp (one exp per logit; its argmax when greedy); then one program per row combines the splits into the
@@ -21,6 +27,24 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+DIRECT_MIN_PROGRAMS = 128  # (sequence, kv head) pairs from which one program per pair is the faster kernel
+
+
+@triton.jit
+def _softmax_update(q, k, v, valid, m, total, acc, scale):
+    """Online softmax: (running max m, sum of exp total, output acc) of the GP query rows q (GP, D) updated by one
+    block of keys k and values v (BLOCK_N, D); `valid` (BLOCK_N,) masks positions past the sequence."""
+    scores = tl.dot(q, tl.trans(k)) * scale  # (GP, BLOCK_N)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    total = total * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, total, acc
 
 
 @triton.jit
@@ -44,17 +68,9 @@ def _decode_split_kernel(Q, K, V, LENS, O_PART, LSE_PART, scale, stride_qb, stri
             valid = n < length
             k = tl.load(K + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                         mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # (GP, BLOCK_N)
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
             v = tl.load(V + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                         mask=valid[:, None], other=0.0)
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, total, acc = _softmax_update(q, k, v, valid, m, total, acc, scale)
         # a split past the sequence's end writes nothing: the combine reads only the sequence's own splits
         base = b * stride_ob + kvh * stride_oh + s * stride_os
         tl.store(O_PART + base + g[:, None] * D + d[None, :], acc / total[:, None], mask=(g < GROUPS)[:, None])
@@ -126,14 +142,20 @@ def _rotate_heads(QKV, first, n, W, eps, cos, sin, d, QK_NORM: tl.constexpr, HP:
 
 
 @triton.jit
+def _position(POS, COS, SIN, b, stride_cos, D: tl.constexpr):
+    """Row b's position, the head-dim index (1, D) and the rotation's cos and sin at that position in fp32."""
+    pos = tl.load(POS + b)
+    d = tl.arange(0, D)[None, :]
+    cos = tl.load(COS + pos * stride_cos + d).to(tl.float32)
+    return pos, d, cos, tl.load(SIN + pos * stride_cos + d).to(tl.float32)
+
+
+@triton.jit
 def _rope_write_kernel(QKV, COS, SIN, POS, Q_OUT, K_CACHE, V_CACHE, Q_NORM, K_NORM, eps, stride_qkv, stride_cos,
                        stride_cb, stride_ct, stride_ch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HP: tl.constexpr,
                        KP: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
     b = tl.program_id(0)
-    pos = tl.load(POS + b)
-    d = tl.arange(0, D)[None, :]
-    cos = tl.load(COS + pos * stride_cos + d).to(tl.float32)
-    sin = tl.load(SIN + pos * stride_cos + d).to(tl.float32)
+    pos, d, cos, sin = _position(POS, COS, SIN, b, stride_cos, D)
     row = QKV + b * stride_qkv
     dtype = Q_OUT.dtype.element_ty
     h = tl.arange(0, HP)[:, None]
@@ -162,6 +184,68 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
                              KV_HEADS=kv_heads, HP=triton.next_power_of_2(heads),
                              KP=triton.next_power_of_2(kv_heads), D=dim, QK_NORM=q_norm is not None, num_warps=2)
     return q
+
+
+@triton.jit
+def _decode_direct_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv,
+                          stride_cos, stride_cb, stride_ct, stride_ch, stride_ob, HEADS: tl.constexpr,
+                          KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr):
+    """Program (b, kv head): rotation, K/V write at position pos, attention over positions [0, pos] (the cached
+    ones block by block, then the new token from registers: no program reads what another writes)."""
+    b, kvh = tl.program_id(0), tl.program_id(1)
+    pos, d, cos, sin = _position(POS, COS, SIN, b, stride_cos, D)
+    row = QKV + b * stride_qkv
+    dtype = OUT.dtype.element_ty
+    q = _rotate_heads(row, kvh * GROUPS, GROUPS, Q_NORM, eps, cos, sin, d, QK_NORM, GP, D).to(dtype)  # (GP, D)
+    k_new = tl.sum(_rotate_heads(row, HEADS + kvh, 1, K_NORM, eps, cos, sin, d, QK_NORM, 2, D), 0)[None, :]
+    k_new = k_new.to(dtype)  # (1, D): the one real row of two
+    v_new = tl.load(row + (HEADS + KV_HEADS + kvh) * D + d)
+    pair = b * stride_cb + kvh * stride_ch
+    tl.store(K_CACHE + pair + pos * stride_ct + d, k_new)
+    tl.store(V_CACHE + pair + pos * stride_ct + d, v_new)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    total = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, pos, BLOCK_N):
+        valid = n0 + n < pos
+        at = pair + (n0 + n)[:, None] * stride_ct + d
+        k = tl.load(K_CACHE + at, mask=valid[:, None], other=0.0)
+        v = tl.load(V_CACHE + at, mask=valid[:, None], other=0.0)
+        m, total, acc = _softmax_update(q, k, v, valid, m, total, acc, scale)
+    score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # (GP,): the new token's key
+    m_new = tl.maximum(m, score)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(score - m_new)
+    total = total * alpha + p
+    acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+    g = tl.arange(0, GP)[:, None]
+    tl.store(OUT + b * stride_ob + (kvh * GROUPS + g) * D + d, (acc / total[:, None]).to(dtype), mask=g < GROUPS)
+
+
+def decode_step_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          lengths: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                          direct: bool | None = None) -> torch.Tensor:
+    """One decode token per row: qkv (B, (H + 2 H_kv) D) contiguous -> attention output (B, H, D), with the rotated
+    k and v written into the caches (>= B, T, H_kv, D) at row b, positions[b]; lengths = positions + 1 (int32).
+    cos, sin, q_norm, k_norm: as `rope_write`. direct: one program per (row, kv head) (default: when there are at
+    least DIRECT_MIN_PROGRAMS of them), else `rope_write` and the split kernel (see the module docstring)."""
+    b, kv_heads, dim = qkv.shape[0], k_cache.shape[2], k_cache.shape[3]
+    if not (b * kv_heads >= DIRECT_MIN_PROGRAMS if direct is None else direct):
+        q = rope_write(qkv, cos, sin, positions, heads, k_cache, v_cache, q_norm, k_norm, eps)
+        return decode_attention(q, k_cache, v_cache, lengths, scale)
+    assert qkv.is_contiguous() and k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride()
+    assert k_cache.stride(3) == 1
+    groups = heads // kv_heads
+    out = torch.empty(b, heads, dim, device=qkv.device, dtype=qkv.dtype)
+    _decode_direct_kernel[(b, kv_heads)](
+        qkv, cos, sin, positions, k_cache, v_cache, q_norm, k_norm, out, eps, scale, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
+        GROUPS=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=64, QK_NORM=q_norm is not None,
+        num_warps=4)
+    return out
 
 
 @triton.jit

@@ -414,11 +414,52 @@ def test_triton_sampler_follows_softmax_and_logprobs():
     assert not torch.equal(again, sample(small, inv, torch.tensor(4, device=dev), False)[0])
 
 
+@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_norm):
+    """decode_step_attention (both kernels: one program per (row, kv head), or rope_write + split-KV) against
+    cuda_model.rotate, an indexed K/V write and softmax attention over each row's positions 0..pos."""
+    from stages.rollout.cuda_model import rotate
+    from stages.rollout.triton_kernels import decode_step_attention
+
+    dev = _triton_device()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, slots, length = 14, 2, 64, 6, 300
+    positions = torch.tensor([0, 1, 63, 64, 200, 299])  # the first position, block edges, the whole cache
+    qkv = torch.randn(slots, (heads + 2 * kv_heads) * dim, generator=g).to(dev, dtype)
+    angles = torch.arange(length)[:, None] * torch.rand(dim // 2, generator=g).repeat(2)[None] * 0.1
+    cos, sin = angles.cos().to(dev, dtype), angles.sin().to(dev, dtype)
+    norms = (torch.rand(2, dim, generator=g) + 0.5).to(dev, dtype) if qk_norm else [None, None]
+    cache = torch.randn(2, slots + 1, length, kv_heads, dim, generator=g).to(dev, dtype)  # a slot past the batch
+    before = cache.clone()
+    out = decode_step_attention(qkv, cos, sin, positions.to(dev), (positions + 1).to(dev, torch.int32), heads,
+                                cache[0], cache[1], 0.125, norms[0], norms[1], 1e-6, direct=direct).float().cpu()
+    q, k, v = rotate(qkv, norms[0], norms[1], cos[positions.to(dev)], sin[positions.to(dev)], 1e-6, heads, kv_heads)
+    expected = before.clone()
+    expected[0, torch.arange(slots), positions] = k.to(before.device)
+    expected[1, torch.arange(slots), positions] = v.to(before.device)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.cpu(), expected.cpu(), **tol)  # only each row's position written
+    for b, pos in enumerate(positions.tolist()):
+        keys = expected[0, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(7, 0)  # (14, pos+1, 64)
+        values = expected[1, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(7, 0)
+        query = q[b].float().cpu()[:, None]  # (14, 1, 64)
+        ref = (torch.softmax(query @ keys.transpose(1, 2) * 0.125, -1) @ values)[:, 0]
+        assert (out[b] - ref).norm() / ref.norm() < (2e-2 if dtype == torch.bfloat16 else 1e-5), (b, pos)
+
+
 @pytest.mark.skipif(_triton_device() != "cpu", reason="needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
-def test_triton_decode_path_equals_transformers_in_float32(arch):
-    """The decode step's Triton path (fused rotation + K/V write, split-KV attention) run by the interpreter in float32
-    gives transformers' greedy tokens (on a GPU the bf16 test above covers it)."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_triton_decode_path_equals_transformers_in_float32(arch, direct, monkeypatch):
+    """The decode step's Triton path (rotation + K/V write + attention: one program per (slot, kv head), or the
+    rotation kernel then split-KV attention) run by the interpreter in float32 gives transformers' greedy tokens
+    (on a GPU the bf16 test above covers it)."""
+    from stages.rollout import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "DIRECT_MIN_PROGRAMS", 1 if direct else 10**9)
     model = tiny_model(arch)
     batch = prompts(5)
     engine = CudaRolloutEngine(model, EOS, max_num_seqs=8, max_model_len=40, attention="triton", sync_every=2)
