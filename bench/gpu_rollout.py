@@ -48,6 +48,9 @@ def parse_args():
     p.add_argument("--fp8", action="store_true", help="also the fp8 engine (rl.rollout.quantization=fp8)")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "3b", "7b"], help="Qwen2.5 shape")
     p.add_argument("--profile", action="store_true", help="profile eager decode steps at full batch (kernel table)")
+    p.add_argument("--split-attention", action="store_true",
+                   help="also the engine with the split-KV kernel at every batch size (the decode path before "
+                        "2026-11-26: rotation kernel, split kernel, combine kernel)")
     p.add_argument("--attention-tiling", nargs="*", default=[], metavar="SPLIT,BLOCK_N,WARPS,STAGES",
                    help="also engines whose decode attention uses these tilings (bench/gpu_decode_kernels.py)")
     return p.parse_args()
@@ -225,6 +228,8 @@ def main() -> None:
     del engine
     if args.fp8:
         res.attempt("fp8", fp8_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo, ceilings)
+    if args.split_attention:
+        res.attempt("split_attention", split_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo)
     for tiling in args.attention_tiling:
         res.attempt(f"tiling_{tiling}", tiled_engine, res, tiling, model, prompts, params, hi + max_tokens,
                     concurrency, lo)
@@ -256,6 +261,18 @@ def measure_step(res, engine, model, concurrency: int, low: int, high: int, ceil
     step = decode_step_seconds(engine, low, high)
     floor = step_floor(model, concurrency, (low + high) / 2, ceilings)
     res.add("decode_step", {**step, "tok_s_at_full_batch": concurrency / step["step_ms"] * 1e3, **floor})
+
+
+def split_engine(res, model, prompts, params, max_model_len: int, concurrency: int, low: int) -> None:
+    """The engine with the split-KV attention path at every batch size (no one-program-per-pair kernel)."""
+    from stages.rollout import triton_kernels
+
+    default = triton_kernels.DIRECT_MIN_PROGRAMS
+    triton_kernels.DIRECT_MIN_PROGRAMS = 10**9
+    try:
+        measured_engine(res, "split_attention", model, prompts, params, max_model_len, concurrency, low)
+    finally:
+        triton_kernels.DIRECT_MIN_PROGRAMS = default
 
 
 def tiled_engine(res, tiling: str, model, prompts, params, max_model_len: int, concurrency: int, low: int) -> None:
@@ -333,7 +350,7 @@ def summary(res: Results, mean_context: float) -> None:
                   f"{f['logprob_engine_vs_trainer_bf16_mean']:.4f}", ""),
                  ("  fp8 logprob gap to fp32 max / mean",
                   f"{f['logprob_engine_vs_fp32_max']:.3f} / {f['logprob_engine_vs_fp32_mean']:.4f}", "")]
-    for key in [k for k in d if k.startswith("tiling_")]:
+    for key in [k for k in d if k.startswith("tiling_") or k == "split_attention"]:
         rows.append((key + " tok/s | decode step ms", f"{d[key].get('tok_s', 0):,.0f} | {d[key].get('step_ms', 0):.3f}",
                      d[key].get("error", "")))
     for key in [k for k in d if k.startswith("variant_")]:
