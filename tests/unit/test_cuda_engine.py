@@ -417,7 +417,8 @@ def test_triton_sampler_follows_softmax_and_logprobs():
 @pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
-def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_norm):
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (7, 1)])  # (7, 1): one rank's share under tensor parallelism
+def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_norm, heads, kv_heads):
     """decode_step_attention (both kernels: one program per (row, kv head), or rope_write + split-KV) against
     cuda_model.rotate, an indexed K/V write and softmax attention over each row's positions 0..pos."""
     from stages.rollout.cuda_model import rotate
@@ -426,7 +427,7 @@ def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_no
     dev = _triton_device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
-    heads, kv_heads, dim, slots, length = 14, 2, 64, 6, 300
+    dim, slots, length, groups = 64, 6, 300, heads // kv_heads
     positions = torch.tensor([0, 1, 63, 64, 200, 299])  # the first position, block edges, the whole cache
     qkv = torch.randn(slots, (heads + 2 * kv_heads) * dim, generator=g).to(dev, dtype)
     angles = torch.arange(length)[:, None] * torch.rand(dim // 2, generator=g).repeat(2)[None] * 0.1
@@ -443,9 +444,9 @@ def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_no
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.cpu(), expected.cpu(), **tol)  # only each row's position written
     for b, pos in enumerate(positions.tolist()):
-        keys = expected[0, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(7, 0)  # (14, pos+1, 64)
-        values = expected[1, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(7, 0)
-        query = q[b].float().cpu()[:, None]  # (14, 1, 64)
+        keys = expected[0, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(groups, 0)  # (H, pos+1, D)
+        values = expected[1, b, : pos + 1].float().cpu().transpose(0, 1).repeat_interleave(groups, 0)
+        query = q[b].float().cpu()[:, None]  # (H, 1, D)
         ref = (torch.softmax(query @ keys.transpose(1, 2) * 0.125, -1) @ values)[:, 0]
         assert (out[b] - ref).norm() / ref.norm() < (2e-2 if dtype == torch.bfloat16 else 1e-5), (b, pos)
 
