@@ -13,7 +13,9 @@ Qwen2.5-0.5B's attention (14 query heads, 2 kv heads, head dim 64), cache positi
 each call reads ~54 MB of K/V. A timed graph runs 24 calls, each on its own layer's cache (as the step does: no
 call finds another's K/V in L2). Variants (kernels below, equal to the engine's within bf16 rounding):
 
-- split: the engine's split-KV kernel and its combine (stages/rollout/triton_kernels.py), at given tilings;
+- split: stages/rollout/triton_kernels.py's split-KV kernel and its combine, at given tilings (labelled
+  "(engine)" at the engine's tiling: since 2026-11-26 the engine runs it below DIRECT_MIN_PROGRAMS pairs only;
+  above, `decode_step_attention`'s program per pair, the "direct" variant here with the rotation added);
 - direct: one program per (sequence, kv head) over the whole sequence, writing the output itself (no partials,
   no combine); `order` launches the longest sequences first (the engine knows the order once per step);
 - fused: the split kernel whose last program to finish for a (sequence, kv head) combines the splits (an
@@ -282,7 +284,8 @@ def check(device, dtype) -> None:
 
 
 def timings(args) -> None:
-    from bench.gpu_common import Results, cuda_time, machine, measure_ceilings
+    from bench.gpu_common import Results, machine, measure_ceilings
+    from bench.gpu_decode_kernels import graph_time
 
     res = Results("gpu-decode-attention", args.out)
     ceilings = measure_ceilings()
@@ -307,25 +310,12 @@ def timings(args) -> None:
             def measure(fn=fn, name=name):
                 diff = max((fn(q[i][:b], k[i][:b], v[i][:b], n, scale, order).float() - want[i].float()).abs().max()
                            .item() for i in range(LAYERS))
-                us = graph_seconds(layers, cuda_time) / LAYERS * 1e6
+                us = graph_time(layers, calls=1) / LAYERS * 1e6
                 res.add(f"b{b} {name}", {"us": us, "of_floor": us / floor_us, "max_abs_diff_to_engine": diff})
                 rows.append((f"  {name}, us", us, f"{us / floor_us:.2f}x floor, diff {diff:.1e}"))
 
             res.attempt(f"b{b} {name}", measure)
     res.table(rows)
-
-
-def graph_seconds(fn, cuda_time) -> float:
-    """Seconds of one fn() replayed in a CUDA graph (fn is one step's worth of calls)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_time(graph.replay, warmup=3, repeat=7)
 
 
 @torch.no_grad()
