@@ -24,8 +24,8 @@ import torch
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x (N, H, D) rotated by cos/sin (N, D): transformers' rotation, or its transpose (the gradient's)."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x (..., H, D) rotated by cos/sin (..., D): transformers' rotation, or its transpose (the gradient's)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)
     if inverse:  # d/dx of x * cos + cat(-x2, x1) * sin, applied to a gradient x
         u1, u2 = (x * sin).chunk(2, dim=-1)
@@ -54,8 +54,9 @@ logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
 @torch.library.triton_op("rlpipe::rotary", mutates_args=())
 def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (N, H, D), k (N, H_kv, D) rotated by cos/sin (N, D): new contiguous tensors. A Triton op: compiled
-    graphs launch its kernel themselves (a Python custom op cost ~0.2 ms of host time per call on an H200)."""
+    """q (B, T, H, D), k (B, T, H_kv, D) rotated by cos/sin (B, T, D): new contiguous tensors of their shapes. A
+    Triton op: compiled graphs launch its kernel themselves (a Python custom op cost ~0.2 ms of host time per call
+    on an H200)."""
     return _run(q, k, cos, sin, inverse=False)
 
 
@@ -91,10 +92,8 @@ def _fits(q, k, cos, sin) -> bool:
 def apply_rotary(q, k, cos, sin):
     """transformers' rotation of q, k (B, heads, T, D) by cos/sin (B, T, D) through `rlpipe::rotary` (see
     `_fits`): (B, heads, T, D) views of new (B, T, heads, D) tensors."""
-    b, _, t, d = q.shape
-    q_rows, k_rows = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k))
-    q_out, k_out = _rotary(q_rows, k_rows, cos.reshape(b * t, d), sin.reshape(b * t, d))
-    return q_out.view(b, t, -1, d).transpose(1, 2), k_out.view(b, t, -1, d).transpose(1, 2)
+    q_out, k_out = _rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
 def _routed(original):

@@ -1,6 +1,6 @@
 """Triton kernel of the trainer's rotary embedding on CUDA (stages/model/rotary.py says where it is used).
 
-x (N, H, D) contiguous, cos/sin (N, D): rows of D are (token, head) pairs; a program rotates BLOCK rows, the
+x (..., H, D) contiguous, cos/sin (..., D) with the same leading dims: rows of D are (token, head) pairs; a program rotates BLOCK rows, the
 two halves of D loaded separately, in float32, rounded once. The token of a row is row // H (one division
 per row, not per element). inverse=True applies the transposed rotation (the gradient's). Launched through
 `wrap_triton`, so that torch.compile sees the kernel inside `rlpipe::rotary` (a Triton op).
@@ -41,12 +41,17 @@ def _rotary_kernel(X, COS, SIN, OUT, n_rows, heads, INVERSE: tl.constexpr, HALF:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x (N, H, D) rotated by cos/sin (N, D), all contiguous, D / 2 a power of two: a new (N, H, D) tensor."""
-    n, heads, d = x.shape
-    out = torch.empty_like(x)
-    rows = n * heads
+    """x (..., H, D) rotated by cos/sin (..., D), all contiguous, D / 2 a power of two: a new tensor like x.
+
+    The kernel sees flat tensors and writes a flat new one, viewed as x's shape after: under torch.compile with
+    dynamic shapes, Inductor (torch 2.11-2.13) could restride a written tensor that has a size-1 dimension
+    (the packed batch's B = 1) and copy it onto itself, failing with KeyError in Scheduler.compute_ancestors
+    (pytorch#189271); a 1-D written tensor has no such dimension."""
+    heads, d = x.shape[-2:]
+    out = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    rows = x.numel() // d
     if rows:
         grid = (triton.cdiv(rows, ROWS),)
-        torch.library.wrap_triton(_rotary_kernel)[grid](x, cos, sin, out, rows, heads, INVERSE=inverse,
-                                                        HALF=d // 2, ROWS=ROWS, num_warps=4)
-    return out
+        torch.library.wrap_triton(_rotary_kernel)[grid](x.view(-1), cos.view(-1), sin.view(-1), out, rows, heads,
+                                                        INVERSE=inverse, HALF=d // 2, ROWS=ROWS, num_warps=4)
+    return out.view(x.shape)

@@ -64,10 +64,8 @@ def test_install_routes_a_modeling_module_once():
 
 def test_rotary_ops_registrations():
     q, k, cos, sin = _inputs()
-    b, h, t, d = q.shape
-    rows = (q.detach().transpose(1, 2).reshape(b * t, h, d), k.detach().transpose(1, 2).reshape(b * t, -1, d))
-    rows = tuple(x.requires_grad_() for x in rows)
-    torch.library.opcheck(rotary._rotary, (*rows, cos.reshape(b * t, d), sin.reshape(b * t, d)))
+    layout = tuple(x.detach().transpose(1, 2).requires_grad_() for x in (q, k))  # (B, T, heads, D) contiguous
+    torch.library.opcheck(rotary._rotary, (*layout, cos, sin))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernel)")
