@@ -190,6 +190,8 @@ class CudaRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        if not prompt_ids:  # as vLLM: a data-parallel share can be empty (fewer live prompts than engines)
+            return []
         self._check(prompt_ids, params)
         mode = SamplingMode(greedy=True) if params.greedy else SamplingMode(False, params.top_k, params.top_p)
         self._set_params(params)
@@ -216,8 +218,8 @@ class CudaRolloutEngine:
     # ---- scheduling ------------------------------------------------------------------------------------
 
     def _check(self, prompt_ids: list[list[int]], params: SamplingParams) -> None:
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("generate needs at least one prompt, each of at least one token")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
         longest = max(len(p) for p in prompt_ids)
         if longest >= self.max_model_len:
             raise ValueError(f"a prompt of {longest} tokens leaves no room to generate within the engine's "

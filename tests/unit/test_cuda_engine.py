@@ -279,8 +279,11 @@ def test_prefix_index_finds_the_longest_parked_prefix():
     assert index.take([0, 1, 2]) is None and index.take([3, 4, 5]) == (rows[3], 2)
 
 
-def test_bad_requests_name_the_limit():
+def test_bad_requests_name_the_limit_and_no_prompts_is_no_outputs():
     engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=20)
+    assert engine.generate([], SamplingParams(max_tokens=2)) == []  # an engine's empty data-parallel share
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[5], []], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="max_model_len=20"):
         engine.generate([[5] * 20], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="max_num_seqs=4"):
