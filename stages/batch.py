@@ -14,6 +14,7 @@ samples) so the N parts have similar token counts, as verl's `balance_batch` doe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -75,17 +76,23 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     0 on tool and user tokens, which stay in `attention_mask`) default to all ones."""
     if any(len(r) == 0 for r in response_ids):
         raise ValueError("every response needs at least one token (max_tokens >= 1)")
+    if any(len(lp) != len(x) for lp, x in zip(rollout_logprobs, response_ids, strict=True)):
+        raise ValueError("every response needs one rollout logprob per token")
     n = len(prompt_ids)
-    p = max(len(x) for x in prompt_ids)
-    r = max(len(x) for x in response_ids)
+    p_len = torch.tensor([len(x) for x in prompt_ids])
+    r_len = torch.tensor([len(x) for x in response_ids])
+    p, r = int(p_len.max()), int(r_len.max())
     input_ids = torch.full((n, p + r), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, p + r), dtype=torch.long)
     logprobs = torch.zeros((n, r), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[i, p - len(prompt) : p] = torch.tensor(prompt)
-        input_ids[i, p : p + len(response)] = torch.tensor(response)
-        attention_mask[i, p - len(prompt) : p + len(response)] = 1
-        logprobs[i, : len(response)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+    # every sample's tokens in one flat tensor, scattered to their columns at once (a loop of per-row copies
+    # took 0.15 s for 1,024 samples on one core: the driver's time between generation and training)
+    rows, cols = _flat_positions(p_len, start=p - p_len)
+    input_ids[rows, cols] = torch.tensor(list(chain.from_iterable(prompt_ids)), dtype=torch.long)
+    rows, cols = _flat_positions(r_len, start=torch.zeros_like(r_len))
+    input_ids[rows, cols + p] = torch.tensor(list(chain.from_iterable(response_ids)), dtype=torch.long)
+    logprobs[rows, cols] = torch.tensor(list(chain.from_iterable(rollout_logprobs)), dtype=torch.float32)
+    column = torch.arange(p + r)
+    attention_mask = ((column >= (p - p_len)[:, None]) & (column < (p + r_len)[:, None])).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention_mask[:, p:].bool()
     for i, mask in enumerate(response_masks or []):
@@ -93,6 +100,13 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "response_mask": response_mask, "rollout_logprobs": logprobs}
     return Batch(tensors, dict(meta or {}))
+
+
+def _flat_positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element of rows of `lengths` laid end to end, row i's from column start[i]."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return rows, start[rows] + offsets
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
