@@ -59,8 +59,13 @@ def parse_args(argv=None):
                    help="Qwen2.5 shape (random weights)")
     p.add_argument("--hazard", type=float, default=1 / 200,
                    help="per-token EOS probability the model is calibrated to (mean response ~1/hazard tokens)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="prompt lengths drawn from LO..HI (default 128 256; 8 16 with --quick)")
+    p.add_argument("--response-tokens", type=int, default=None, help="max response tokens (default 512; 24 quick)")
     args = p.parse_args(argv)
     args.prompts = args.prompts or (2 if args.quick else 32)
+    args.prompt_tokens = args.prompt_tokens or ((8, 16) if args.quick else (128, 256))
+    args.response_tokens = args.response_tokens or (24 if args.quick else 512)
     if args.prompts % args.minis:
         p.error(f"--prompts={args.prompts} must be a multiple of --minis={args.minis} (whole groups per mini-batch)")
     return args
@@ -70,7 +75,7 @@ def recipe(args, model_dir: str, world: int) -> list[str]:
     prompts = args.prompts * world
     quick = args.quick
     return [f"model.path={model_dir}", f"model.dtype={'float32' if quick else 'bfloat16'}",
-            f"data.max_prompt_length={16 if quick else 256}", f"data.max_response_length={24 if quick else 512}",
+            f"data.max_prompt_length={args.prompt_tokens[1]}", f"data.max_response_length={args.response_tokens}",
             "rl.enabled=true", "rl.rollout.engine=cuda", f"rl.rollout.n={4 if quick else 8}",
             f"rl.rollout.max_num_seqs={args.prompts * (4 if quick else 8)}", "rl.rollout.temperature=1.0",
             f"rl.train_batch_size={prompts}", f"rl.actor.ppo_mini_batch_size={prompts // args.minis}",
@@ -122,7 +127,7 @@ class Bench:
     def prompts(self) -> list[list[int]]:
         from bench.gpu_common import workload_prompts
 
-        lo, hi = (8, 16) if self.args.quick else (128, 256)
+        lo, hi = self.args.prompt_tokens
         seed = 1000 * self.step_index + self.rank  # different prompts on every rank and step
         return workload_prompts(self.args.prompts, lo, hi, self.config.vocab_size, self.config.eos_token_id, seed)
 
@@ -185,7 +190,11 @@ class Bench:
 
         from stages.batch import balance_batch, build_batch
 
+        start = time.perf_counter()
         outs = self.worker.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        engine_s = time.perf_counter() - start
         mine = [(prompts[o.prompt_index], o.response_ids, o.logprobs, f"{self.rank}-{o.prompt_index}") for o in outs]
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, mine)
@@ -195,7 +204,7 @@ class Bench:
         batch.tensors["scores"] = torch.tensor([reward(r[1]) for r in rows])
         batch, seqlen = balance_batch(batch, self.world, self.mini_rows)
         mask = batch.response_mask
-        info = {"sequences": len(batch), "response_tokens": int(mask.sum()),
+        info = {"timing_s/gen_engine": engine_s, "sequences": len(batch), "response_tokens": int(mask.sum()),
                 "tokens": int(batch.tensors["attention_mask"].sum()), **seqlen}
         return batch, info
 
@@ -290,6 +299,8 @@ def main(argv=None) -> None:
         res.add("summary", summary)
         rows = [(f"N={world}: step s", summary["step_s"], "median of timed steps"),
                 *[(f"N={world}: {p} s", summary[f"timing_s/{p}"], "slowest rank") for p in PHASES],
+                (f"N={world}:   of gen, the engine s", summary["timing_s/gen_engine"],
+                 "slowest rank; the rest: gather, build, balance"),
                 (f"N={world}: sequences/s", summary["seq_per_s"], f"{summary['sequences_per_step']:.0f} per step"),
                 (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"],
                  f"steps {summary['tok_per_s_steps_min']:,.0f}-{summary['tok_per_s_steps_max']:,.0f}")]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 18 on one machine of several GPUs, one call: weak scaling of the GRPO step through the worker
+# (N = 1, 2, 4, 8 up to the machine's GPUs, 32 prompts x 8 per GPU at every N) and tensor- against
+# data-parallel rollout of a 7B-shaped model over all the GPUs (tp 1, 2, 4, 8 up to them).
+#   bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
+# Needs pydantic on the image (carried in .whl/, installed here into /tmp/pyd when missing). Each run's console
+# goes to OUT_DIR/*.log; the JSON results to OUT_DIR/w (gpu-worker-nN.json) and OUT_DIR/tpK (gpu-tp-rollout.json).
+set -uo pipefail
+out=$1
+gpus=${2:-$(nvidia-smi -L | wc -l)}
+parts=${3:-all}
+mkdir -p "$out"
+if ! python3 -c "import pydantic" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyd .whl/*.whl
+fi
+export PYTHONPATH=/tmp/pyd:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,uuid,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+for n in 1 2 4 8; do
+    [ "$n" -le "$gpus" ] && [ "$parts" != tp ] || break
+    start=$(date +%s)
+    timeout 240 torchrun --nproc_per_node="$n" bench/gpu_worker.py --out "$out/w" --prompts 32 --steps 5 \
+        --warmup 1 > "$out/worker-n$n.log" 2>&1
+    echo "worker N=$n exit $? after $(( $(date +%s) - start )) s: $(grep 'tokens/s' "$out/worker-n$n.log" | tail -1)"
+done
+for k in 1 2 4 8; do
+    [ "$k" -le "$gpus" ] && [ "$parts" != worker ] || break
+    start=$(date +%s)
+    timeout 150 torchrun --nproc_per_node="$gpus" bench/gpu_tp_rollout.py --out "$out/tp$k" --tp "$k" --shape 7b \
+        > "$out/tp$k.log" 2>&1
+    echo "7b tp=$k exit $? after $(( $(date +%s) - start )) s: $(grep 'generated tok/s' "$out/tp$k.log" | tail -1)"
+done
