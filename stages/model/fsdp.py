@@ -19,6 +19,7 @@ cannot run code.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -138,17 +139,54 @@ def iter_hf_weights(module: nn.Module, lora_scale: float | None) -> Iterator[tup
         match = _LAYER.search(key)
         buckets.setdefault(f"layer{match.group(1)}" if match else key, []).append(key)
     for keys in buckets.values():
-        full = {k: _full_tensor(state[k]) for k in keys}
+        full = gather_full({k: state[k] for k in keys})
         yield from hf_weights(full, lora_scale).items()
         del full
 
 
-def _full_tensor(value: torch.Tensor) -> torch.Tensor:
-    if not hasattr(value, "full_tensor"):
-        return value
-    if value.device.type == "cpu" and torch.cuda.is_available():  # offloaded shards: gather them on the GPU (NCCL)
-        value = value.to("cuda")
-    return value.full_tensor()
+def gather_full(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of FSDP2 shards (dim-0 shards of a 1-D mesh), gathered in one all-gather per dtype instead
+    of one per tensor (a 0.5B model's sync ran ~300 collectives, 0.32 s on 4 H100s against 0.14 s on one).
+    Each rank's shard holds rows [r c, (r + 1) c) of c = ceil(rows / world) (torch.chunk's split); shards are
+    padded to c rows, sent as one flat tensor and cut back to the full rows. Other tensors pass unchanged."""
+    out = {k: v for k, v in values.items() if not _sharded_on_rows(v)}
+    by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    for key, value in values.items():  # in the same order on every rank: the collectives must match
+        if key not in out:
+            by_dtype.setdefault(value.dtype, {})[key] = value
+    for shards in by_dtype.values():
+        out.update(_gather_rows(shards))
+    return {k: out[k] for k in values}
+
+
+def _sharded_on_rows(value: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(value, DTensor) and value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),)
+
+
+def _gather_rows(shards: dict) -> dict[str, torch.Tensor]:
+    first = next(iter(shards.values()))
+    group, world = first.device_mesh.get_group(), first.device_mesh.size()
+    device = "cuda" if torch.cuda.is_available() else first.to_local().device  # offloaded shards: NCCL on the GPU
+    blocks, parts = {}, []
+    for key, value in shards.items():
+        rows = -(-value.shape[0] // world)
+        block = rows * math.prod(value.shape[1:])
+        local = value.to_local().reshape(-1).to(device)
+        parts.append(torch.nn.functional.pad(local, (0, block - local.numel())))
+        blocks[key] = (block, rows)
+    sent = torch.cat(parts)
+    received = torch.empty(world * sent.numel(), dtype=sent.dtype, device=device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13: renamed
+    all_gather(received, sent, group=group)
+    received = received.view(world, -1)
+    full, offset = {}, 0
+    for key, (block, rows) in blocks.items():
+        shape = shards[key].shape
+        full[key] = received[:, offset:offset + block].reshape(world * rows, *shape[1:])[: shape[0]]
+        offset += block
+    return full
 
 
 # ---- checkpoints (DCP) ----------------------------------------------------------------------------
