@@ -2,8 +2,9 @@
 
 x (..., H, D) contiguous, cos/sin (..., D) with the same leading dims: rows of D are (token, head) pairs; a
 program rotates BLOCK rows, the two halves of D loaded separately, in float32, rounded once. The token of a row
-is row // H (one division per row, not per element). inverse=True applies the transposed rotation (the gradient's). Launched through
-`wrap_triton`, so that torch.compile sees the kernel inside `rlpipe::rotary` (a Triton op).
+is row // H (one division per row, not per element). inverse=True applies the transposed rotation (the
+gradient's). Launched through `wrap_triton`, so that torch.compile sees the kernel inside `rlpipe::rotary` (a
+Triton op).
 """
 
 from __future__ import annotations
