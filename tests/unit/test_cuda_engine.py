@@ -577,3 +577,19 @@ def test_tool_loop_on_the_cuda_engine_is_token_in_token_out_and_reuses_each_turn
                               for i in range(2)]
             assert reused == expected
     assert outputs[0] == outputs[8]  # greedy: reuse changes nothing but the work
+
+
+def test_data_parallel_engines_with_fewer_prompts_than_engines():
+    """A partial rollout's later segment can have fewer live prompts than engines: the driver's split gives an
+    engine nothing, and the prompts still come back (the fully async run on four GPUs stopped here)."""
+    from types import SimpleNamespace
+
+    from stages.rl import RLTrainer
+
+    engines = [CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=32) for _ in range(2)]
+    group = SimpleNamespace(world_size=2, call_each=lambda name, calls: [
+        getattr(engine, name)(*args) for engine, args in zip(engines, calls)])
+    driver = SimpleNamespace(rl=SimpleNamespace(rollout=SimpleNamespace(tensor_model_parallel_size=1)),
+                             engines=group, prefix_router=None)
+    outputs = RLTrainer.engine_generate(driver, [[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
+    assert [o.prompt_index for o in outputs] == [0, 0] and all(o.response_ids for o in outputs)
