@@ -141,7 +141,8 @@ def write(results: list[dict], args) -> None:
                                                    default=str))
     sync = {r["seed"]: r["steps_per_min_after_first"] for r in results if r["variant"] == "sync colocated"}
     lines = ["| variant | seed | steps/min | after step 1 | ratio to sync colocated (after step 1) | "
-             "time to target (s) | last val acc | score first 3 -> last 3 | staleness mean / max | samples across a push |",
+             "time to target (s) | last val acc | score first 3 -> last 3 | staleness mean / max | "
+             "samples across a push |",
              "|" + " --- |" * 10]
     for r in results:
         last = r["acc"][max(r["acc"])] if r["acc"] else float("nan")

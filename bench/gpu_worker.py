@@ -191,9 +191,7 @@ class Bench:
         from stages.batch import balance_batch, build_batch
 
         start = time.perf_counter()
-        outs = self.worker.generate(prompts, params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        outs = self.worker.generate(prompts, params)  # token lists on the host: the engine is done
         engine_s = time.perf_counter() - start
         mine = [(prompts[o.prompt_index], o.response_ids, o.logprobs, f"{self.rank}-{o.prompt_index}") for o in outs]
         gathered: list = [None] * self.world

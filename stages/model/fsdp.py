@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from stages.model.policy import hf_parts
 from stages.model.safe_load import (
@@ -160,31 +161,28 @@ def gather_full(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _sharded_on_rows(value: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
-
     return isinstance(value, DTensor) and value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),)
 
 
-def _gather_rows(shards: dict) -> dict[str, torch.Tensor]:
+def _gather_rows(shards: dict[str, DTensor]) -> dict[str, torch.Tensor]:
     first = next(iter(shards.values()))
     group, world = first.device_mesh.get_group(), first.device_mesh.size()
     device = "cuda" if torch.cuda.is_available() else first.to_local().device  # offloaded shards: NCCL on the GPU
-    blocks, parts = {}, []
+    blocks = {k: -(-v.shape[0] // world) * math.prod(v.shape[1:]) for k, v in shards.items()}  # padded shard sizes
+    sent = torch.zeros(sum(blocks.values()), dtype=first.dtype, device=device)
+    offset = 0
     for key, value in shards.items():
-        rows = -(-value.shape[0] // world)
-        block = rows * math.prod(value.shape[1:])
-        local = value.to_local().reshape(-1).to(device)
-        parts.append(torch.nn.functional.pad(local, (0, block - local.numel())))
-        blocks[key] = (block, rows)
-    sent = torch.cat(parts)
+        local = value.to_local().reshape(-1)
+        sent[offset:offset + local.numel()].copy_(local)
+        offset += blocks[key]
     received = torch.empty(world * sent.numel(), dtype=sent.dtype, device=device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13: renamed
     all_gather(received, sent, group=group)
     received = received.view(world, -1)
     full, offset = {}, 0
-    for key, (block, rows) in blocks.items():
+    for key, block in blocks.items():
         shape = shards[key].shape
-        full[key] = received[:, offset:offset + block].reshape(world * rows, *shape[1:])[: shape[0]]
+        full[key] = received[:, offset:offset + block].reshape(-1, *shape[1:])[: shape[0]]
         offset += block
     return full
 
