@@ -10,7 +10,8 @@ cluster of the machine's cores): every variant uses the same two CPU slots, so t
 both cores and a separate trainer and rollout worker have one each. Validation (greedy, `--val` prompts) every 2
 steps gives the held-out accuracy; its time is left out of the figures (it pauses the asynchronous producer).
 
-Per variant and seed: steps per minute of training (RL wall time without validation and start-up), time to the
+Per variant and seed: steps per minute of training (RL wall time without validation and start-up), tokens (prompt +
+response, from `rollouts`) per second of the steps after the first, time to the
 first validation at `--target` held-out accuracy (the demo reaches 97.5% at step 10), the last validation
 accuracy, the mean rollout score of the first and last 3 steps, and staleness (SQL over `rollouts`).
 Prints a table last; writes JSON and a markdown table to --out (default bench/results/<date>-async-cpu.*).
@@ -79,11 +80,16 @@ def summarize(root: str, start: float, end: float) -> dict:
     train_s = sum(step_s.values())
     steady = [v for s, v in step_s.items() if s > min(step_s)]  # the first step compiles (GPU: ~20 s)
     scores = [r["s"] for r in query(root, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
+    tokens = {r["step"]: r["n"] for r in query(root, "SELECT step, sum(num_prompt_tokens + num_response_tokens) "
+                                                     "AS n FROM rollouts GROUP BY 1")}
+    steady_tokens = sum(n for s, n in tokens.items() if s > min(step_s))
     stale = query(root, "SELECT avg(staleness) AS mean, max(staleness) AS max, avg(CASE WHEN policy_version <> "
                         "policy_version_max THEN 1 ELSE 0 END) AS partial FROM rollouts")[0]
     return {"steps": len(step_s), "train_s": train_s, "steps_per_min": 60 * len(step_s) / train_s,
             "steps_per_min_after_first": 60 * len(steady) / sum(steady) if steady else float("nan"),
-            "rl_wall_s": end - start, "startup_s": first_stamp - start - step_s[min(step_s)],
+            "tokens_per_s_after_first": steady_tokens / sum(steady) if steady else float("nan"),
+            "tokens_per_step": tokens, "rl_wall_s": end - start,
+            "startup_s": first_stamp - start - step_s[min(step_s)],
             "acc": acc, "step_s": step_s, "testing_s": testing, "stamps": stamps, "scores": scores,
             "staleness_mean": stale["mean"], "staleness_max": stale["max"], "partial_frac": stale["partial"]}
 
@@ -128,29 +134,35 @@ def main() -> None:
                           time_to_target_s=time_to(result, args.target))
             results.append(result)
             print(json.dumps({k: result[k] for k in ("variant", "seed", "steps_per_min", "steps_per_min_after_first",
-                                                     "time_to_target_s", "staleness_mean")}), flush=True)
+                                                     "tokens_per_s_after_first", "time_to_target_s",
+                                                     "staleness_mean")}), flush=True)
             write(results, args)  # after every variant: a later failure keeps the finished ones
 
 
 def write(results: list[dict], args) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {len(os.sched_getaffinity(0))} cores"
+    if args.gpu:
+        import torch
+
+        machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     command = "PYTHONPATH=. .venv/bin/python " + " ".join(sys.argv)
     Path(args.out + ".json").write_text(json.dumps({"command": command, "commit": commit, "machine": machine,
                                                     "date": str(date.today()), "results": results}, indent=1,
                                                    default=str))
     sync = {r["seed"]: r["steps_per_min_after_first"] for r in results if r["variant"] == "sync colocated"}
     lines = ["| variant | seed | steps/min | after step 1 | ratio to sync colocated (after step 1) | "
-             "time to target (s) | last val acc | score first 3 -> last 3 | staleness mean / max | "
-             "samples across a push |",
-             "|" + " --- |" * 10]
+             "tokens/s after step 1 | time to target (s) | last val acc | score first 3 -> last 3 | "
+             "staleness mean / max | samples across a push |",
+             "|" + " --- |" * 11]
     for r in results:
         last = r["acc"][max(r["acc"])] if r["acc"] else float("nan")
         ratio = r["steps_per_min_after_first"] / sync[r["seed"]] if r["seed"] in sync else float("nan")
         first3, last3 = sum(r["scores"][:3]) / 3, sum(r["scores"][-3:]) / 3
         ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(f"| {r['variant']} | {r['seed']} | {r['steps_per_min']:.1f} | "
-                     f"{r['steps_per_min_after_first']:.1f} | {ratio:.2f}x | {ttt} | {last:.3f} | "
+                     f"{r['steps_per_min_after_first']:.1f} | {ratio:.2f}x | "
+                     f"{r.get('tokens_per_s_after_first', float('nan')):,.0f} | {ttt} | {last:.3f} | "
                      f"{first3:.3f} -> {last3:.3f} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
                      f"{r['partial_frac']:.2f} |")
     table = "\n".join(lines)

