@@ -8,6 +8,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from stages.model import fsdp
 from stages.model.fsdp import gather_full
 from tests.conftest import free_port
 
@@ -26,10 +27,17 @@ def _rank(rank: int, port: int, out: str) -> None:
     module.register_buffer("kept", torch.arange(3.0))  # not sharded: passes unchanged
     fully_shard(module)
     state = module.state_dict()
+    calls = []
+    gather_rows = fsdp._gather_rows
+    fsdp._gather_rows = lambda shards: calls.append(list(shards)) or gather_rows(shards)
     got = gather_full(state)
+    one_each = list(calls)
+    small = gather_full(state, max_bytes=100)  # several all-gathers per dtype: groups of <= 100 bytes
+    fsdp._gather_rows = gather_rows
     want = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if rank == 0:
-        torch.save({"got": got, "want": want, "order": list(got)}, out)
+        torch.save({"got": got, "small": small, "want": want, "order": list(got), "one_each": one_each,
+                    "grouped": calls[len(one_each):]}, out)
     dist.destroy_process_group()
 
 
@@ -38,6 +46,10 @@ def test_one_all_gather_gives_full_tensors_of_uneven_shards_and_dtypes(tmp_path)
     mp.spawn(_rank, args=(free_port(), str(out)), nprocs=RANKS)
     result = torch.load(out)
     assert result["order"] == list(result["want"])  # the state dict's order, which the engine's loading follows
+    assert result["one_each"] == [["even", "uneven", "short", "vector"], ["low"]]  # one all-gather per dtype
+    # fp32: 96 + 60 + 32 + 28 bytes; bf16: 40
+    assert result["grouped"] == [["even"], ["uneven", "short"], ["vector"], ["low"]]
+    assert list(result["small"]) == list(result["want"])
     for key, want in result["want"].items():
-        got = result["got"][key]
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+        for got in (result["got"][key], result["small"][key]):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
