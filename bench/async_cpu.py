@@ -79,14 +79,15 @@ def summarize(root: str, start: float, end: float) -> dict:
     stamps = {r["step"]: r["t"] for r in query(root, "SELECT step, epoch(max(time)) AS t FROM metrics GROUP BY 1")}
     first_stamp = min(stamps.values())
     train_s = sum(step_s.values())
-    steady = [v for s, v in step_s.items() if s > min(step_s)]  # the first step compiles (GPU: ~20 s)
+    first = min(step_s)
+    steady = [v for s, v in step_s.items() if s > first]  # the first step compiles (GPU: ~20 s)
     scores = [r["s"] for r in query(root, "SELECT step, avg(score) AS s FROM rollouts GROUP BY 1 ORDER BY 1")]
     tokens = {r["step"]: r["n"] for r in query(root, "SELECT step, sum(num_prompt_tokens + num_response_tokens) "
                                                      "AS n FROM rollouts GROUP BY 1")}
-    steady_tokens = sum(n for s, n in tokens.items() if s > min(step_s))
+    steady_tokens = sum(n for s, n in tokens.items() if s > first)
     # wall time from step 1's end to the last step's, validation's own work left out: this also counts what no
     # step timer holds (the separate modes' wait for the producer's chunk before a validation; the table writes)
-    wall = max(stamps.values()) - stamps[min(step_s)] - sum(v for s, v in testing.items() if s > min(step_s))
+    wall = max(stamps.values()) - stamps[first] - sum(v for s, v in testing.items() if s > first)
     stale = query(root, "SELECT avg(staleness) AS mean, max(staleness) AS max, avg(CASE WHEN policy_version <> "
                         "policy_version_max THEN 1 ELSE 0 END) AS partial FROM rollouts")[0]
     return {"steps": len(step_s), "train_s": train_s, "steps_per_min": 60 * len(step_s) / train_s,
@@ -94,7 +95,7 @@ def summarize(root: str, start: float, end: float) -> dict:
             "tokens_per_s_after_first": steady_tokens / sum(steady) if steady else float("nan"),
             "tokens_per_s_wall_after_first": steady_tokens / wall if steady else float("nan"),
             "tokens_per_step": tokens, "rl_wall_s": end - start,
-            "startup_s": first_stamp - start - step_s[min(step_s)],
+            "startup_s": first_stamp - start - step_s[first],
             "acc": acc, "step_s": step_s, "testing_s": testing, "stamps": stamps, "scores": scores,
             "staleness_mean": stale["mean"], "staleness_max": stale["max"], "partial_frac": stale["partial"]}
 
@@ -140,8 +141,7 @@ def main() -> None:
             results.append(result)
             print(json.dumps({k: result[k] for k in ("variant", "seed", "steps_per_min", "steps_per_min_after_first",
                                                      "tokens_per_s_after_first", "tokens_per_s_wall_after_first",
-                                                     "time_to_target_s",
-                                                     "staleness_mean")}), flush=True)
+                                                     "time_to_target_s", "staleness_mean")}), flush=True)
             write(results, args)  # after every variant: a later failure keeps the finished ones
 
 
@@ -168,8 +168,8 @@ def write(results: list[dict], args) -> None:
         ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(f"| {r['variant']} | {r['seed']} | {r['steps_per_min']:.1f} | "
                      f"{r['steps_per_min_after_first']:.1f} | {ratio:.2f}x | "
-                     f"{r.get('tokens_per_s_after_first', float('nan')):,.0f}; "
-                     f"{r.get('tokens_per_s_wall_after_first', float('nan')):,.0f} | {ttt} | {last:.3f} | "
+                     f"{r['tokens_per_s_after_first']:,.0f}; {r['tokens_per_s_wall_after_first']:,.0f} | {ttt} | "
+                     f"{last:.3f} | "
                      f"{first3:.3f} -> {last3:.3f} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
                      f"{r['partial_frac']:.2f} |")
     table = "\n".join(lines)

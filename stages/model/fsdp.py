@@ -156,20 +156,28 @@ def gather_full(values: dict[str, torch.Tensor], max_bytes: int = GATHER_BYTES) 
     (torch.chunk's split); shards are padded to c rows, sent as one flat tensor and cut back to the full rows.
     Other tensors pass unchanged."""
     out = {k: v for k, v in values.items() if not _sharded_on_rows(v)}
-    groups: dict[torch.dtype, list[dict[str, torch.Tensor]]] = {}
-    filled: dict[torch.dtype, int] = {}  # bytes in each dtype's last group
+    by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
     for key, value in values.items():  # in the same order on every rank: the collectives must match
-        if key in out:
-            continue
-        parts, size = groups.setdefault(value.dtype, [{}]), value.numel() * value.element_size()
-        if parts[-1] and filled[value.dtype] + size > max_bytes:
-            parts.append({})
-            filled[value.dtype] = 0
-        parts[-1][key] = value
-        filled[value.dtype] = filled.get(value.dtype, 0) + size
-    for shards in (part for parts in groups.values() for part in parts):
-        out.update(_gather_rows(shards))
+        if key not in out:
+            by_dtype.setdefault(value.dtype, {})[key] = value
+    for shards in by_dtype.values():
+        for part in _byte_groups(shards, max_bytes):
+            out.update(_gather_rows(part))
     return {k: out[k] for k in values}
+
+
+def _byte_groups(values: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive runs of `values` of <= `max_bytes` (full sizes) each; a larger tensor is a run of its own."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    for key, value in values.items():
+        size = value.numel() * value.element_size()
+        if groups[-1] and filled + size > max_bytes:
+            groups.append({})
+            filled = 0
+        groups[-1][key] = value
+        filled += size
+    return groups
 
 
 def _sharded_on_rows(value: torch.Tensor) -> bool:
