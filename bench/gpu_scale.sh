@@ -2,9 +2,9 @@
 # Issue 18 on one machine of several GPUs, one call: weak scaling of the GRPO step through the worker
 # (N = 1, 2, 4, 8 up to the machine's GPUs, 32 prompts x 8 per GPU at every N) and tensor- against
 # data-parallel rollout of a 7B-shaped model over all the GPUs (tp 1, 2, 4, 8 up to them).
-#   bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
+#   [NS="1 4 2 1 4"] [STEPS=5] bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
 # Needs pydantic on the image (carried in .whl/, installed here into /tmp/pyd when missing). Each run's console
-# goes to OUT_DIR/*.log; the JSON results to OUT_DIR/w (gpu-worker-nN.json) and OUT_DIR/tpK (gpu-tp-rollout.json).
+# goes to OUT_DIR/*.log; the JSON results to OUT_DIR/w (gpu-worker-rR-nN.json, R the run's number) and OUT_DIR/tpK (gpu-tp-rollout.json).
 set -uo pipefail
 out=$1
 gpus=${2:-$(nvidia-smi -L | wc -l)}
@@ -15,12 +15,15 @@ if ! python3 -c "import pydantic" 2>/dev/null; then
 fi
 export PYTHONPATH=/tmp/pyd:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,uuid,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-for n in 1 2 4 8; do
-    [ "$n" -le "$gpus" ] && [ "$parts" != tp ] || break
+run=0
+for n in ${NS:-1 2 4 8}; do  # NS="1 4 2 1 4": the runs in that order (a repeated N gets the next run's number)
+    [ "$parts" != tp ] || break
+    [ "$n" -le "$gpus" ] || continue
+    run=$((run + 1))
     start=$(date +%s)
-    timeout 240 torchrun --nproc_per_node="$n" bench/gpu_worker.py --out "$out/w" --prompts 32 --steps 5 \
-        --warmup 1 > "$out/worker-n$n.log" 2>&1
-    echo "worker N=$n exit $? after $(( $(date +%s) - start )) s: $(grep 'tokens/s' "$out/worker-n$n.log" | tail -1)"
+    timeout 300 torchrun --nproc_per_node="$n" bench/gpu_worker.py --out "$out/w" --name "gpu-worker-r$run" \
+        --prompts 32 --steps "${STEPS:-5}" --warmup 1 > "$out/worker-r$run-n$n.log" 2>&1
+    echo "worker run $run N=$n exit $? after $(( $(date +%s) - start )) s: $(grep 'tokens/s' "$out/worker-r$run-n$n.log" | tail -1)"
 done
 for k in 1 2 4 8; do
     [ "$k" -le "$gpus" ] && [ "$parts" != worker ] || break

@@ -52,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--minis", type=int, default=2, help="optimizer steps per GRPO step (mini-batches)")
     p.add_argument("--steps", type=int, default=3, help="timed GRPO steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
-    p.add_argument("--profile", action="store_true",
-                   help="one more step with its update_actor under torch.profiler (profile-NAME-nN.txt)")
+    p.add_argument("--profile", nargs="?", const="update_actor", default=None, choices=["update_actor", "sync"],
+                   help="one more step with this phase (default update_actor) under torch.profiler "
+                        "(profile-NAME-nN.txt)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (after the recipe)")
     p.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "3b", "7b"],
                    help="Qwen2.5 shape (random weights)")
@@ -124,11 +125,12 @@ class Bench:
                                          int(os.environ["MASTER_PORT"]))
         self.step_index = 0
 
-    def prompts(self) -> list[list[int]]:
+    def prompts(self, rank: int) -> list[list[int]]:
+        """Rank `rank`'s prompts of this step (every rank can make every rank's: the driver holds them all)."""
         from bench.gpu_common import workload_prompts
 
         lo, hi = self.args.prompt_tokens
-        seed = 1000 * self.step_index + self.rank  # different prompts on every rank and step
+        seed = 1000 * self.step_index + rank  # different prompts on every rank and step
         return workload_prompts(self.args.prompts, lo, hi, self.config.vocab_size, self.config.eos_token_id, seed)
 
     def phase(self, name: str, times: dict, peaks: dict, fn, *args):
@@ -149,7 +151,7 @@ class Bench:
         return result
 
     def run(self, profile: Path | None = None) -> dict:
-        """One GRPO step; `profile`: the update under torch.profiler, kernel tables written there."""
+        """One GRPO step; `profile`: the phase of --profile under torch.profiler, kernel tables written there."""
         import torch._dynamo
 
         from stages.rollout.base import SamplingParams
@@ -158,51 +160,63 @@ class Bench:
         ro = self.cfg.rl.rollout
         params = SamplingParams(n=ro.n, temperature=ro.temperature, max_tokens=self.cfg.data.max_response_length,
                                 stop_token_ids=(self.config.eos_token_id,), seed=self.step_index * 100 + self.rank)
-        prompts = self.prompts()
-        batch, info = self.phase("gen", times, peaks, self.generate, prompts, params)
+        every = [self.prompts(r) for r in range(self.world)]
+        prompts = every[self.rank]
+        batch, info = self.phase("gen", times, peaks, self.generate, every, params)
         shard = batch.select(self.rows(batch))
         t = shard.tensors
         t["old_logprobs"], t["entropy"] = self.phase("old_log_prob", times, peaks, self.worker.compute_logprobs,
                                                      shard, "actor", True)
         self.phase("adv", times, peaks, self.advantages, batch, shard)
-        update = self.worker.update_actor
+        calls = {"update_actor": self.worker.update_actor, "sync": self.worker.sync_weights}
         if profile is not None:
-            def update(rows):
-                from bench.gpu_common import profile_phase
+            from bench.gpu_common import profile_phase
 
-                metrics, self.profile = profile_phase(lambda: self.worker.update_actor(rows), profile)
-                return metrics
-        metrics = self.phase("update_actor", times, peaks, update, shard)
-        sync = self.phase("sync", times, peaks, self.worker.sync_weights, prompts[:2])
+            def profiled(*args, call=calls[self.args.profile]):
+                result, self.profile = profile_phase(lambda: call(*args), profile)
+                return result
+
+            calls[self.args.profile] = profiled
+        metrics = self.phase("update_actor", times, peaks, calls["update_actor"], shard)
+        sync = self.phase("sync", times, peaks, calls["sync"], prompts[:2])
         times["step"] = sum(times[p] for p in PHASES)
         self.step_index += 1
         worker_peaks = {f"worker/{k}": v for k, v in self.worker.memory_metrics().items()}  # the step's own metrics
         return {**{f"timing_s/{k}": v for k, v in times.items()}, **peaks, **worker_peaks, **info,
                 "actor/grad_norm": metrics["actor/grad_norm"], "actor/pg_loss": metrics["actor/pg_loss"],
                 "rollout/logprob_diff_max": sync.get("rollout/logprob_diff_max", float("nan")),
+                **{k: v for k, v in sync.items() if k.startswith("timing_s/")},  # push and check
                 "local_tokens": int(shard.tensors["attention_mask"].sum()),
                 "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}  # recompiles show here
 
-    def generate(self, prompts, params):
-        """This rank's rollouts, then the driver's part: gather, score, balance (every rank alike)."""
+    def generate(self, every: list[list[list[int]]], params):
+        """This rank's rollouts of its prompts (`every[rank]`), then the driver's part: gather the outputs (not the
+        prompts: the driver has them, as in stages/rl.py), build, score, balance (every rank alike), each timed."""
         import torch
         import torch.distributed as dist
 
         from stages.batch import balance_batch, build_batch
 
         start = time.perf_counter()
-        outs = self.worker.generate(prompts, params)  # token lists on the host: the engine is done
+        outs = self.worker.generate(every[self.rank], params)  # token lists on the host: the engine is done
         engine_s = time.perf_counter() - start
-        mine = [(prompts[o.prompt_index], o.response_ids, o.logprobs, f"{self.rank}-{o.prompt_index}") for o in outs]
+        mine = [(o.prompt_index, o.response_ids, o.logprobs) for o in outs]  # what a RolloutOutput carries
         gathered: list = [None] * self.world
+        dist.barrier()  # the wait for the slowest engine is not the gather's
+        marks = [time.perf_counter()]
         dist.all_gather_object(gathered, mine)
-        rows = [row for part in gathered for row in part]
+        marks.append(time.perf_counter())
+        rows = [(every[r][i], ids, lps, f"{r}-{i}") for r, part in enumerate(gathered) for i, ids, lps in part]
         batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                             pad_token_id=self.config.pad_token_id, meta={"group_id": [r[3] for r in rows]})
         batch.tensors["scores"] = torch.tensor([reward(r[1]) for r in rows])
+        marks.append(time.perf_counter())
         batch, seqlen = balance_batch(batch, self.world, self.mini_rows)
+        marks.append(time.perf_counter())
+        gather_s, build_s, balance_s = (b - a for a, b in zip(marks, marks[1:]))
         mask = batch.response_mask
-        info = {"timing_s/gen_engine": engine_s, "sequences": len(batch), "response_tokens": int(mask.sum()),
+        info = {"timing_s/gen_engine": engine_s, "timing_s/gen_gather": gather_s, "timing_s/gen_build": build_s,
+                "timing_s/gen_balance": balance_s, "sequences": len(batch), "response_tokens": int(mask.sum()),
                 "tokens": int(batch.tensors["attention_mask"].sum()), **seqlen}
         return batch, info
 
@@ -299,6 +313,10 @@ def main(argv=None) -> None:
                 *[(f"N={world}: {p} s", summary[f"timing_s/{p}"], "slowest rank") for p in PHASES],
                 (f"N={world}:   of gen, the engine s", summary["timing_s/gen_engine"],
                  "slowest rank; the rest: gather, build, balance"),
+                *[(f"N={world}:   of gen, {p} s", summary[f"timing_s/gen_{p}"], "slowest rank")
+                  for p in ("gather", "build", "balance")],
+                *[(f"N={world}:   of sync, {p} s", summary.get(f"timing_s/sync_{p}", float("nan")), "slowest rank")
+                  for p in ("push", "check")],
                 (f"N={world}: sequences/s", summary["seq_per_s"], f"{summary['sequences_per_step']:.0f} per step"),
                 (f"N={world}: tokens/s (prompt + response)", summary["tok_per_s"],
                  f"steps {summary['tok_per_s_steps_min']:,.0f}-{summary['tok_per_s_steps_max']:,.0f}")]
@@ -308,9 +326,10 @@ def main(argv=None) -> None:
         figures = reduce_step(bench.run(profile=folder / f"profile-{args.name}-n{world}.txt"))
         if res:
             busy = bench.profile["device_busy_s"]
-            res.add("profile", {**bench.profile, "update_s": figures["timing_s/update_actor"],
-                                "busy_share_of_unprofiled_update": busy / summary["timing_s/update_actor"]})
-            rows += [("profiled update: device busy s", busy, f"of {summary['timing_s/update_actor']:.3f} s "
+            phase = args.profile
+            res.add("profile", {**bench.profile, "phase": phase, "phase_s": figures[f"timing_s/{phase}"],
+                                "busy_share_of_unprofiled": busy / summary[f"timing_s/{phase}"]})
+            rows += [(f"profiled {phase}: device busy s", busy, f"of {summary[f'timing_s/{phase}']:.3f} s "
                       "unprofiled (median)"),
                      *[(f"  {k}", v, "") for k, v in bench.profile.items() if k.startswith("kernel_s/")]]
     if res:

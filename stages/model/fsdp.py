@@ -130,19 +130,29 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def iter_hf_weights(module: nn.Module, lora_scale: float | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(module: nn.Module, lora_scale: float | None,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs, gathered one decoder layer at a time (a collective: every rank iterates
     in the same order), LoRA merged. No rank ever holds more than one layer of unsharded weights besides its
-    shards, so an engine on the same device fills itself without a second full copy of the model."""
+    shards, so an engine on the same device fills itself without a second full copy of the model. `dtype`: the
+    floating tensors come in it (the engine's; None: as stored); without LoRA each rank casts its shard before the
+    all-gather (fp32 master weights would put twice the bytes on the wire for the same rounded result), with LoRA
+    the merge is done in the stored dtype first."""
     state = module.state_dict()  # DTensor shards (no copy)
     buckets: dict[str, list[str]] = {}
     for key in state:
         match = _LAYER.search(key)
         buckets.setdefault(f"layer{match.group(1)}" if match else key, []).append(key)
+    early = dtype if lora_scale is None else None
     for keys in buckets.values():
-        full = gather_full({k: state[k] for k in keys})
-        yield from hf_weights(full, lora_scale).items()
+        full = gather_full({k: _cast(state[k], early) for k in keys})
+        yield from ((name, _cast(value, dtype)) for name, value in hf_weights(full, lora_scale).items())
         del full
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating tensor (a DTensor shard too) in `dtype`; others, and dtype None, unchanged."""
+    return value.to(dtype) if dtype is not None and value.is_floating_point() else value
 
 
 GATHER_BYTES = 1 << 30  # full bytes per all-gather of `gather_full`: its transient memory is about twice that

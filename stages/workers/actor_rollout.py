@@ -276,16 +276,20 @@ class ActorRolloutWorker:
     @measured("sync")
     def sync_weights(self, check_prompts: list[list[int]]) -> dict[str, float]:
         """Stream the actor's weights into the engine layer by layer, then check the engine on a few greedy
-        tokens (every rank checks its own engine; the largest difference is reported and checked)."""
+        tokens (every rank checks its own engine; the largest difference is reported and checked). The check
+        wakes the engine again after the push's sleep, so it also covers weights that a sleep moves (vLLM's
+        level 1 offloads them; verl #7904 lost them at wake-up)."""
         start = time.perf_counter()
         self.engine.wake()
         try:
-            self.engine.update_weights(iter_hf_weights(self.actor, self.lora_scale))
+            self.engine.update_weights(iter_hf_weights(self.actor, self.lora_scale, compute_dtype(self.cfg.model)))
         finally:
             self.engine.sleep()
-        metrics = {"timing_s/sync": time.perf_counter() - start}
+        metrics = {"timing_s/sync_push": time.perf_counter() - start}
         if self.rl.rollout.logprob_check_tokens and check_prompts:
+            start = time.perf_counter()
             metrics["rollout/logprob_diff_max"] = self._check_engine(check_prompts)
+            metrics["timing_s/sync_check"] = time.perf_counter() - start
         return metrics
 
     def _check_engine(self, prompts: list[list[int]]) -> float:
@@ -322,9 +326,7 @@ class ActorRolloutWorker:
     def _pushed_weights(self):
         """The weights a push sends: HF names, LoRA merged, floating tensors in the forward's dtype (model.dtype:
         the engines compute in it, so sending fp32 master weights would only double the bytes)."""
-        dtype = compute_dtype(self.cfg.model)
-        for name, tensor in iter_hf_weights(self.actor, self.lora_scale):
-            yield name, tensor.to(dtype) if dtype and tensor.is_floating_point() else tensor
+        yield from iter_hf_weights(self.actor, self.lora_scale, compute_dtype(self.cfg.model))
 
     def weight_meta(self) -> WeightMeta:
         """Names, shapes and dtypes of a push, in its order (every rank iterates: the gathers are collective)."""

@@ -29,15 +29,18 @@ def _rank(rank: int, port: int, out: str) -> None:
     state = module.state_dict()
     calls = []
     gather_rows = fsdp._gather_rows
-    fsdp._gather_rows = lambda shards: calls.append(list(shards)) or gather_rows(shards)
+    fsdp._gather_rows = lambda shards: calls.append([(k, v.dtype) for k, v in shards.items()]) or gather_rows(shards)
     got = gather_full(state)
     one_each = list(calls)
     small = gather_full(state, max_bytes=100)  # several all-gathers per dtype: groups of <= 100 bytes
+    cast_calls = len(calls)
+    cast = dict(fsdp.iter_hf_weights(module, None, torch.bfloat16))  # the engine's dtype: cast before the gather
+    sent = {key: dtype for group in calls[cast_calls:] for key, dtype in group}
     fsdp._gather_rows = gather_rows
     want = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if rank == 0:
         torch.save({"got": got, "small": small, "want": want, "order": list(got), "one_each": one_each,
-                    "grouped": calls[len(one_each):]}, out)
+                    "grouped": calls[len(one_each):cast_calls], "cast": cast, "sent": sent}, out)
     dist.destroy_process_group()
 
 
@@ -46,10 +49,17 @@ def test_one_all_gather_gives_full_tensors_of_uneven_shards_and_dtypes(tmp_path)
     mp.spawn(_rank, args=(free_port(), str(out)), nprocs=RANKS)
     result = torch.load(out)
     assert result["order"] == list(result["want"])  # the state dict's order, which the engine's loading follows
-    assert result["one_each"] == [["even", "uneven", "short", "vector"], ["low"]]  # one all-gather per dtype
+    names = [[key for key, _ in group] for group in result["one_each"]]
+    assert names == [["even", "uneven", "short", "vector"], ["low"]]  # one all-gather per dtype
     # fp32: 96 + 60 + 32 + 28 bytes; bf16: 40
-    assert result["grouped"] == [["even"], ["uneven", "short"], ["vector"], ["low"]]
+    assert [[key for key, _ in group] for group in result["grouped"]] == [["even"], ["uneven", "short"], ["vector"],
+                                                                         ["low"]]
     assert list(result["small"]) == list(result["want"])
     for key, want in result["want"].items():
         for got in (result["got"][key], result["small"][key]):
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+    # iter_hf_weights in the engine's dtype: shards cast before the all-gather (half the bytes of fp32), the same
+    # rounded values as casting the full tensors; buffers pass uncast into the gather and come out in the dtype
+    assert result["sent"] == {key: torch.bfloat16 for key in ("even", "uneven", "short", "vector", "low")}
+    for key, want in result["want"].items():
+        assert torch.equal(result["cast"][key], want.bfloat16()), key
