@@ -135,9 +135,10 @@ def iter_hf_weights(module: nn.Module, lora_scale: float | None,
     """(HF name, full tensor) pairs, gathered one decoder layer at a time (a collective: every rank iterates
     in the same order), LoRA merged. No rank ever holds more than one layer of unsharded weights besides its
     shards, so an engine on the same device fills itself without a second full copy of the model. `dtype`: the
-    floating tensors come in it (the engine's; None: as stored); without LoRA each rank casts its shard before the
-    all-gather (fp32 master weights would put twice the bytes on the wire for the same rounded result), with LoRA
-    the merge is done in the stored dtype first."""
+    floating tensors come in it (the engines compute in `model.dtype`; None: as stored); without LoRA each rank casts
+    its shard before the all-gather (fp32 master weights would put twice the bytes on the wire for the same rounded
+    result), with LoRA the merge is done in the stored dtype first. An fp8 engine quantises what it gets: these
+    `dtype` tensors, as the weight pushes to rollout workers on other GPUs always sent."""
     state = module.state_dict()  # DTensor shards (no copy)
     buckets: dict[str, list[str]] = {}
     for key in state:

@@ -49,17 +49,20 @@ def test_one_all_gather_gives_full_tensors_of_uneven_shards_and_dtypes(tmp_path)
     mp.spawn(_rank, args=(free_port(), str(out)), nprocs=RANKS)
     result = torch.load(out)
     assert result["order"] == list(result["want"])  # the state dict's order, which the engine's loading follows
-    names = [[key for key, _ in group] for group in result["one_each"]]
-    assert names == [["even", "uneven", "short", "vector"], ["low"]]  # one all-gather per dtype
+    assert _names(result["one_each"]) == [["even", "uneven", "short", "vector"], ["low"]]  # one all-gather per dtype
     # fp32: 96 + 60 + 32 + 28 bytes; bf16: 40
-    assert [[key for key, _ in group] for group in result["grouped"]] == [["even"], ["uneven", "short"], ["vector"],
-                                                                         ["low"]]
+    assert _names(result["grouped"]) == [["even"], ["uneven", "short"], ["vector"], ["low"]]
     assert list(result["small"]) == list(result["want"])
     for key, want in result["want"].items():
         for got in (result["got"][key], result["small"][key]):
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
     # iter_hf_weights in the engine's dtype: shards cast before the all-gather (half the bytes of fp32), the same
-    # rounded values as casting the full tensors; buffers pass uncast into the gather and come out in the dtype
+    # rounded values as casting the full tensors; the unsharded buffer passes the gather and comes out cast too
     assert result["sent"] == {key: torch.bfloat16 for key in ("even", "uneven", "short", "vector", "low")}
     for key, want in result["want"].items():
         assert torch.equal(result["cast"][key], want.bfloat16()), key
+
+
+def _names(groups: list[list[tuple]]) -> list[list[str]]:
+    """The tensor names of each recorded all-gather."""
+    return [[key for key, _ in group] for group in groups]
