@@ -54,6 +54,9 @@ def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_mode
     names = {r["name"] for r in query(root, "SELECT DISTINCT name FROM metrics")}
     assert VERL_METRICS <= names, VERL_METRICS - names
     assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3  # the engine follows the trainer (fp32)
+    parts = [metric(root, f"timing_s/{name}") for name in ("sync_push", "sync_check", "sync")]
+    assert [len(p) for p in parts] == [3, 3, 3]  # the sync's parts, every step, inside the step's sync
+    assert all(0 < push and 0 < check and push + check <= whole for push, check, whole in zip(*parts))
     counts = query(root, "SELECT step, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1")
     assert counts == [{"step": s, "n": 8 * 4} for s in (1, 2, 3)]
     row = query(root, "SELECT * FROM rollouts LIMIT 1")[0]
