@@ -2,7 +2,8 @@
 # Issue 18 on one machine of several GPUs, one call: weak scaling of the GRPO step through the worker
 # (N = 1, 2, 4, 8 up to the machine's GPUs, 32 prompts x 8 per GPU at every N) and tensor- against
 # data-parallel rollout of a 7B-shaped model over all the GPUs (tp 1, 2, 4, 8 up to them).
-#   [NS="1 4 2 1 4"] [STEPS=5] bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
+#   [NS="1 4 2 1 4"] [STEPS=5] [SET="key=value ..."] bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
+# (SET: config overrides for the worker runs, e.g. SET=rl.rollout.logprob_check_freq=1000 to check only the first sync)
 # Needs pydantic on the image (carried in .whl/, installed here into /tmp/pyd when missing). Each run's console
 # goes to OUT_DIR/*.log; the JSON results to OUT_DIR/w (gpu-worker-rR-nN.json, R the run's number) and OUT_DIR/tpK (gpu-tp-rollout.json).
 set -uo pipefail
@@ -22,7 +23,7 @@ for n in ${NS:-1 2 4 8}; do  # NS="1 4 2 1 4": the runs in that order (a repeate
     run=$((run + 1))
     start=$(date +%s)
     timeout 300 torchrun --nproc_per_node="$n" bench/gpu_worker.py --out "$out/w" --name "gpu-worker-r$run" \
-        --prompts 32 --steps "${STEPS:-5}" --warmup 1 > "$out/worker-r$run-n$n.log" 2>&1
+        --prompts 32 --steps "${STEPS:-5}" --warmup 1 ${SET:+--set $SET} > "$out/worker-r$run-n$n.log" 2>&1
     echo "worker run $run N=$n exit $? after $(( $(date +%s) - start )) s: $(grep 'tokens/s' "$out/worker-r$run-n$n.log" | tail -1)"
 done
 for k in 1 2 4 8; do

@@ -17,7 +17,8 @@ order and with its helpers:
     adv            GRPO advantages on the global batch (stages.core)
     update_actor   `update_actor` on each rank's rows (ppo_mini_batch_size prompts per optimizer step)
     sync           `sync_weights`: layer-by-layer streaming into the engine, then the engine's greedy
-                   tokens checked against the trainer (rl.rollout.logprob_check_tokens)
+                   tokens checked against the trainer (rl.rollout.logprob_check_tokens; after the first
+                   step's sync and every rl.rollout.logprob_check_freq-th)
 
 Workload per GPU (issue 5's, split by `--prompts`): Qwen2.5-0.5B shape with random weights, the EOS logit
 calibrated to a 1/200 per-token hazard (bench/gpu_common.py), prompts of 128-256 random tokens, n=8,
@@ -178,7 +179,9 @@ class Bench:
 
             calls[self.args.profile] = profiled
         metrics = self.phase("update_actor", times, peaks, calls["update_actor"], shard)
-        sync = self.phase("sync", times, peaks, calls["sync"], prompts[:2])
+        freq = self.cfg.rl.rollout.logprob_check_freq  # as stages/rl.py: the first sync and every freq-th
+        checked = self.step_index == 0 or (self.step_index + 1) % freq == 0
+        sync = self.phase("sync", times, peaks, calls["sync"], prompts[:2] if checked else [])
         times["step"] = sum(times[p] for p in PHASES)
         self.step_index += 1
         worker_peaks = {f"worker/{k}": v for k, v in self.worker.memory_metrics().items()}  # the step's own metrics

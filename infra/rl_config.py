@@ -164,6 +164,10 @@ class RolloutConfig(_Section):
         "trajectory's next turn computes only its new tokens (a second KV cache of this many rows); None: "
         "max_num_seqs when rl.multi_turn has tools or interactions, else 0; 0: off.")
     logprob_check_tokens: int = Field(32, ge=0, description="Tokens checked after each weight sync (0: off).")
+    logprob_check_freq: int = Field(
+        1, ge=1, description="Check the engine after the weight sync of every k-th step, and always after a run's "
+        "(or a resumed run's) first sync; 1: every sync. The check costs ~5% of a GPU step (bench/results/"
+        "2026-11-27-gpu-x4-scale.md); training/rollout_probs_diff_max is reported at every step regardless.")
     logprob_check_tol: float = Field(1e-2, gt=0, description="Max |engine - trainer| logprob before erroring.")
 
 

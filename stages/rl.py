@@ -159,6 +159,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
         self.warned_dropped_pairs = False
+        self.engine_checked = False  # the first weight sync of this process is always checked
         self.step = self.next_group = 0  # next_group: asynchronous modes, the first group no step has taken
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class RLTrainer:
                     metrics.update(self.update_actor(train))
             with timer("sync"):
                 metrics.update(self.schedule.after_update(step) if self.schedule else
-                               self.actor.call_one("sync_weights", self.check_prompts()))
+                               self.actor.call_one("sync_weights", self.check_prompts(step)))
         metrics.update(self.step_metrics(batch, timer))
         metrics.update(self.actor.call_one("memory_metrics"))  # peak device memory by phase
         self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
@@ -489,7 +490,14 @@ class RLTrainer:
         self.tables.write_metrics(step, metrics)
         self.tracker.log(metrics, step)
 
-    def check_prompts(self) -> list[list[int]]:
+    def check_prompts(self, step: int) -> list[list[int]]:
+        """The prompts the engines are checked on after the weight sync that follows `step`; none where that sync's
+        check is not due (rl.rollout.logprob_check_freq: every k-th step and the last; a process's first sync, a
+        resumed run's included, always)."""
+        freq = self.rl.rollout.logprob_check_freq
+        if self.engine_checked and step % freq and step != self.rl.total_steps:
+            return []
+        self.engine_checked = True
         return self.val.prompt_ids[:2]
 
     def _prompt_texts(self, batch: Batch) -> list[str]:
@@ -526,7 +534,7 @@ class RLTrainer:
         removed = self.tables.truncate_after(self.step)
         self.next_group = int(state.get("async_next_group", self.step * self.rl.train_batch_size))
         if self.engines is self.actor:  # else AsyncSchedule pushes the weights to the rollout workers
-            self.actor.call("sync_weights", self.check_prompts())
+            self.actor.call("sync_weights", self.check_prompts(self.step))
         logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
     def close(self) -> None:

@@ -326,9 +326,9 @@ class AsyncSchedule:
         return self.push(step)
 
     def push(self, version: int) -> dict[str, float]:
-        return self.rollout.push(version, self._send)
+        return self.rollout.push(version, lambda: self._send(version))
 
-    def _send(self) -> dict[str, float]:
+    def _send(self, version: int) -> dict[str, float]:
         """Trainer ranks gather and broadcast, rollout workers receive into their engines; then the check."""
         t = self.trainer
         refs = [h.send_weights.remote() for h in t.actor.handles]
@@ -339,14 +339,15 @@ class AsyncSchedule:
             raise RolloutFailed(f"a rollout worker died during a weight push ({exc}); the run stops here, and a "
                                 "rerun resumes from the last checkpoint") from exc
         metrics = {**results[0], "timing_s/receive": max(results[len(t.actor.handles):])}
-        metrics.update(self._check())
+        metrics.update(self._check(version))
         return {**metrics, **t.engines.call("memory_metrics")[0]}  # the rollout workers', since the last push
 
-    def _check(self) -> dict[str, float]:
+    def _check(self, version: int) -> dict[str, float]:
         """Every engine generates greedy tokens on the check prompts; the trainer re-scores them (as the colocated
-        sync does): StaleEngineError above rl.rollout.logprob_check_tol."""
+        sync does) when due after version `version`: StaleEngineError above rl.rollout.logprob_check_tol."""
         t = self.trainer
-        prompts, tokens = t.check_prompts(), min(t.rl.rollout.logprob_check_tokens, t.cfg.data.max_response_length)
+        prompts = t.check_prompts(version)
+        tokens = min(t.rl.rollout.logprob_check_tokens, t.cfg.data.max_response_length)
         if not tokens or not prompts:
             return {}
         params = SamplingParams(n=1, temperature=0.0, max_tokens=tokens)

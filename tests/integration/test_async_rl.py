@@ -98,7 +98,7 @@ def test_one_step_off_policy_trains_on_batches_one_version_old(tiny_data_dir, ti
 
 
 def test_fully_async_with_partial_rollouts_records_each_tokens_version(tiny_data_dir, tiny_model_dir, tmp_path):
-    run(tiny_data_dir, tiny_model_dir, tmp_path, *FULLY, "rl.total_steps=4")
+    run(tiny_data_dir, tiny_model_dir, tmp_path, *FULLY, "rl.total_steps=4", "rl.rollout.logprob_check_freq=3")
     rows = query(str(tmp_path), "SELECT step, staleness, policy_version, policy_version_max, token_policy_versions, "
                  "num_response_tokens FROM rollouts ORDER BY step")
     assert len(rows) == 4 * 8 * 4
@@ -111,6 +111,8 @@ def test_fully_async_with_partial_rollouts_records_each_tokens_version(tiny_data
         versions = r["token_policy_versions"]  # tests/unit/test_rl_async.py interrupts a rollout for certain)
         assert all(versions[i] == versions[i - 1] for i in range(1, len(versions)) if i % 4)
     assert len(metric(tmp_path, "async/partial_frac")) == 4
+    checked = query(str(tmp_path), "SELECT step FROM metrics WHERE name = 'rollout/logprob_diff_max' ORDER BY step")
+    assert [r["step"] for r in checked] == [1, 3, 4]  # the first push, every 3rd, the last
 
 
 def test_a_killed_rollout_worker_fails_the_run_clearly(tiny_data_dir, tiny_model_dir, tmp_path):

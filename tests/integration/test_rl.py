@@ -48,6 +48,10 @@ def metric(root: str, name: str) -> list[float]:
     return [r["value"] for r in rows]
 
 
+def metric_steps(root: str, name: str) -> list[int]:
+    return [r["step"] for r in query(root, f"SELECT step FROM metrics WHERE name = '{name}' ORDER BY step")]
+
+
 def test_grpo_with_vllm_runs_logs_and_stores_everything(tiny_data_dir, tiny_model_dir, tmp_path):
     result, root = run(tiny_data_dir, tiny_model_dir, tmp_path)
     assert result.num_steps == 3
@@ -111,11 +115,14 @@ def test_hf_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):
 
 
 def test_cuda_engine_runs_grpo(tiny_data_dir, tiny_model_dir, tmp_path):
-    """rl.rollout.engine=cuda reaches our engine (eager on CPU, fp32): 2 GRPO steps, weight sync checked."""
-    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.rollout.engine=cuda", "rl.total_steps=2")
-    assert result.num_steps == 2
-    diffs = metric(root, "rollout/logprob_diff_max")
-    assert diffs and max(diffs) < 1e-3
+    """rl.rollout.engine=cuda reaches our engine (eager on CPU, fp32): 3 GRPO steps, the weight sync checked after
+    the first and the last (rl.rollout.logprob_check_freq=3 skips step 2's check)."""
+    result, root = run(tiny_data_dir, tiny_model_dir, tmp_path, "rl.rollout.engine=cuda",
+                       "rl.rollout.logprob_check_freq=3", "rl.test_freq=0")
+    assert result.num_steps == 3
+    assert metric_steps(root, "rollout/logprob_diff_max") == metric_steps(root, "timing_s/sync_check") == [1, 3]
+    assert metric_steps(root, "timing_s/sync_push") == [1, 2, 3]
+    assert max(metric(root, "rollout/logprob_diff_max")) < 1e-3
     assert max(metric(root, "response_length/mean")) > 0
 
 
