@@ -232,7 +232,7 @@ class RLTrainer:
                     metrics.update(self.update_actor(train))
             with timer("sync"):
                 metrics.update(self.schedule.after_update(step) if self.schedule else
-                               self.actor.call_one("sync_weights", self.check_prompts(step)))
+                               self.actor.call_one("sync_weights", self.due_check_prompts(step)))
         metrics.update(self.step_metrics(batch, timer))
         metrics.update(self.actor.call_one("memory_metrics"))  # peak device memory by phase
         self.tables.write_rollouts(step, trajectory_rows(batch, self._prompt_texts(batch), step - 1))
@@ -490,7 +490,7 @@ class RLTrainer:
         self.tables.write_metrics(step, metrics)
         self.tracker.log(metrics, step)
 
-    def check_prompts(self, step: int) -> list[list[int]]:
+    def due_check_prompts(self, step: int) -> list[list[int]]:
         """The prompts the engines are checked on after the weight sync that follows `step`; none where that sync's
         check is not due (rl.rollout.logprob_check_freq: every k-th step and the last; a process's first sync, a
         resumed run's included, always)."""
@@ -534,7 +534,7 @@ class RLTrainer:
         removed = self.tables.truncate_after(self.step)
         self.next_group = int(state.get("async_next_group", self.step * self.rl.train_batch_size))
         if self.engines is self.actor:  # else AsyncSchedule pushes the weights to the rollout workers
-            self.actor.call("sync_weights", self.check_prompts(self.step))
+            self.actor.call("sync_weights", self.due_check_prompts(self.step))
         logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
     def close(self) -> None:

@@ -346,7 +346,7 @@ class AsyncSchedule:
         """Every engine generates greedy tokens on the check prompts; the trainer re-scores them (as the colocated
         sync does) when due after version `version`: StaleEngineError above rl.rollout.logprob_check_tol."""
         t = self.trainer
-        prompts = t.check_prompts(version)
+        prompts = t.due_check_prompts(version)
         tokens = min(t.rl.rollout.logprob_check_tokens, t.cfg.data.max_response_length)
         if not tokens or not prompts:
             return {}
