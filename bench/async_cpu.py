@@ -49,7 +49,8 @@ def variants(devices: int, gpu: bool) -> dict[str, list[str]]:
              "rl.async_training.max_staleness=1", "rl.async_training.partial_rollout_tokens=16"]
     return {"sync colocated": colocated, "sync separate": separate,
             "one-step off": [*separate, "rl.async_training.mode=one_step_off"], "fully async": fully,
-            "fully async + TIS": [*fully, "rl.algorithm.rollout_correction.rollout_is=token"]}
+            "fully async + TIS": [*fully, "rl.algorithm.rollout_correction.rollout_is=token"],
+            "fully async + bypass": [*fully, "rl.algorithm.rollout_correction.bypass_mode=true"]}
 
 
 def prepare(cfg, folder: Path) -> None:

@@ -269,10 +269,17 @@ class AsyncSchedule:
         if version > 0:  # resumed: the engines still hold the initial weights
             self.push(version)
         self.rollout.start()
-        logger.info("rl: %s rollout on %d rollout workers: staleness <= %d (%s), weights pushed every %d steps%s",
+        logger.info("rl: %s rollout on %d rollout workers: staleness <= %d (%s), weights pushed every %d steps%s%s",
                     settings.mode, trainer.engines.world_size, self.rollout.staleness, self.rollout.policy,
                     self.push_every, f", partial rollouts of {self.rollout.partial_tokens} tokens"
-                    if self.rollout.partial_tokens else "")
+                    if self.rollout.partial_tokens else "", self._correction_hint(alg.rollout_correction))
+
+    def _correction_hint(self, correction) -> str:
+        """Stale samples without importance weights learned worse in bench/results/2026-11-27-async-staleness.md."""
+        if self.rollout.staleness == 0 or correction.rollout_is or correction.bypass_mode:
+            return ""
+        return ("; no rollout correction: rl.algorithm.rollout_correction.rollout_is=token weighs the stale samples "
+                "(it kept held-out accuracy at the synchronous loop's where plain staleness 1 lost 0.08-0.11)")
 
     def produce(self, first: int, count: int) -> list[Group]:
         """Groups first .. first+count-1, generated and scored; their prompts are the synchronous loop's (group g is

@@ -5,6 +5,7 @@ One Ray instance for the module, started with OMP_NUM_THREADS=1 so that the colo
 compute with the same thread count (the equality test compares them bit for bit).
 """
 
+import logging
 import os
 
 import pytest
@@ -28,6 +29,7 @@ RL = ["rl.enabled=true", "rl.total_steps=3", "rl.train_batch_size=8", "rl.rollou
       "rl.reward.num_workers=1", "data.max_response_length=40",
       "rl.reward.overlong_buffer=30"]  # rewards that differ within a group (a tiny untrained model scores 0)
 SEPARATE = ["ray.rollout_devices_per_node=1"]
+NO_CORRECTION = "no rollout correction: rl.algorithm.rollout_correction.rollout_is=token"
 FULLY = [*SEPARATE, "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=4",
          "rl.async_training.queue_groups=4", "rl.async_training.partial_rollout_tokens=4",
          "rl.async_training.max_staleness=1"]
@@ -69,10 +71,12 @@ def final_weights(store: ArtifactStore, result) -> dict[str, torch.Tensor]:
     return read_checkpoint_model_state(store.get_dir(result.checkpoint))
 
 
-def test_sync_schedule_on_rollout_devices_equals_the_colocated_loop(tiny_data_dir, tiny_model_dir, tmp_path):
+def test_sync_schedule_on_rollout_devices_equals_the_colocated_loop(tiny_data_dir, tiny_model_dir, tmp_path, caplog):
     """Staleness 0 on a rollout worker of its own: the same samples, losses and weights as the colocated loop."""
     colocated, store_a = run(tiny_data_dir, tiny_model_dir, tmp_path / "a")
-    separate, store_b = run(tiny_data_dir, tiny_model_dir, tmp_path / "b", *SEPARATE)
+    with caplog.at_level(logging.INFO, logger="stages.rl_async"):
+        separate, store_b = run(tiny_data_dir, tiny_model_dir, tmp_path / "b", *SEPARATE)
+    assert "staleness <= 0" in caplog.text and NO_CORRECTION not in caplog.text  # nothing stale to correct
     sql = "SELECT step, group_id, sample_index, response, score, staleness FROM rollouts ORDER BY 1, 2, 3"
     rows_a, rows_b = query(str(tmp_path / "a"), sql), query(str(tmp_path / "b"), sql)
     assert len(rows_a) == 3 * 8 * 4 and rows_a == rows_b
@@ -85,8 +89,10 @@ def test_sync_schedule_on_rollout_devices_equals_the_colocated_loop(tiny_data_di
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
-def test_one_step_off_policy_trains_on_batches_one_version_old(tiny_data_dir, tiny_model_dir, tmp_path):
-    run(tiny_data_dir, tiny_model_dir, tmp_path, *SEPARATE, "rl.async_training.mode=one_step_off")
+def test_one_step_off_policy_trains_on_batches_one_version_old(tiny_data_dir, tiny_model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="stages.rl_async"):
+        run(tiny_data_dir, tiny_model_dir, tmp_path, *SEPARATE, "rl.async_training.mode=one_step_off")
+    assert NO_CORRECTION in caplog.text  # the start line suggests the correction for stale samples
     rows = query(str(tmp_path), "SELECT step, min(staleness) AS lo, max(staleness) AS hi, "
                  "min(policy_version) AS v FROM rollouts GROUP BY 1 ORDER BY 1")
     # step 1's batch was made by version 0 and trains version 0; step s's by version s-2 while step s-1 trained
