@@ -279,7 +279,7 @@ class AsyncSchedule:
         if self.rollout.staleness == 0 or correction.rollout_is or correction.bypass_mode:
             return ""
         return ("; no rollout correction: rl.algorithm.rollout_correction.rollout_is=token weighs the stale samples "
-                "(it kept held-out accuracy at the synchronous loop's where plain staleness 1 lost 0.08-0.11)")
+                "(it kept held-out accuracy at the synchronous loop's where plain staleness 1 lost 0.09-0.11)")
 
     def produce(self, first: int, count: int) -> list[Group]:
         """Groups first .. first+count-1, generated and scored; their prompts are the synchronous loop's (group g is
