@@ -17,8 +17,8 @@ order and with its helpers:
     adv            GRPO advantages on the global batch (stages.core)
     update_actor   `update_actor` on each rank's rows (ppo_mini_batch_size prompts per optimizer step)
     sync           `sync_weights`: layer-by-layer streaming into the engine, then the engine's greedy
-                   tokens checked against the trainer (rl.rollout.logprob_check_tokens; after the first
-                   step's sync and every rl.rollout.logprob_check_freq-th)
+                   tokens checked against the trainer (rl.rollout.logprob_check_tokens; when
+                   rl.rollout.logprob_check_freq says, as in the stage: the first, every k-th, the last)
 
 Workload per GPU (issue 5's, split by `--prompts`): Qwen2.5-0.5B shape with random weights, the EOS logit
 calibrated to a 1/200 per-token hazard (bench/gpu_common.py), prompts of 128-256 random tokens, n=8,
@@ -179,8 +179,8 @@ class Bench:
 
             calls[self.args.profile] = profiled
         metrics = self.phase("update_actor", times, peaks, calls["update_actor"], shard)
-        freq = self.cfg.rl.rollout.logprob_check_freq  # as stages/rl.py: the first sync and every freq-th
-        checked = self.step_index == 0 or (self.step_index + 1) % freq == 0
+        step, last = self.step_index + 1, self.args.warmup + self.args.steps  # the stage's rule, its steps from 1
+        checked = self.cfg.rl.rollout.check_due(step, last, first=self.step_index == 0)
         sync = self.phase("sync", times, peaks, calls["sync"], prompts[:2] if checked else [])
         times["step"] = sum(times[p] for p in PHASES)
         self.step_index += 1

@@ -171,6 +171,11 @@ class RolloutConfig(_Section):
         "training/rollout_probs_diff_max is reported at every step regardless.")
     logprob_check_tol: float = Field(1e-2, gt=0, description="Max |engine - trainer| logprob before erroring.")
 
+    def check_due(self, step: int, last_step: int, first: bool) -> bool:
+        """Whether the engine is checked after the weight sync that follows `step` (logprob_check_freq): a process's
+        first sync, every k-th step's and the last step's."""
+        return first or step % self.logprob_check_freq == 0 or step == last_step
+
 
 class AlgorithmConfig(_Section):
     adv_estimator: AdvEstimator = Field(

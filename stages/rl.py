@@ -494,8 +494,7 @@ class RLTrainer:
         """The prompts the engines are checked on after the weight sync that follows `step`; none where that sync's
         check is not due (rl.rollout.logprob_check_freq: every k-th step and the last; a process's first sync, a
         resumed run's included, always)."""
-        freq = self.rl.rollout.logprob_check_freq
-        if self.engine_checked and step % freq and step != self.rl.total_steps:
+        if not self.rl.rollout.check_due(step, self.rl.total_steps, first=not self.engine_checked):
             return []
         self.engine_checked = True
         return self.val.prompt_ids[:2]

@@ -275,11 +275,12 @@ class AsyncSchedule:
                     if self.rollout.partial_tokens else "", self._correction_hint(alg.rollout_correction))
 
     def _correction_hint(self, correction) -> str:
-        """Stale samples without importance weights learned worse in bench/results/2026-11-27-async-staleness.md."""
+        """A hint when stale samples train uncorrected (they learned worse in bench/results/
+        2026-11-27-async-staleness.md)."""
         if self.rollout.staleness == 0 or correction.rollout_is or correction.bypass_mode:
             return ""
         return ("; no rollout correction: rl.algorithm.rollout_correction.rollout_is=token weighs the stale samples "
-                "(it kept held-out accuracy at the synchronous loop's where plain staleness 1 lost 0.09-0.11)")
+                "by how far the trained policy has moved from the one that generated them")
 
     def produce(self, first: int, count: int) -> list[Group]:
         """Groups first .. first+count-1, generated and scored; their prompts are the synchronous loop's (group g is
