@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,11 +46,13 @@ def variants(devices: int, gpu: bool) -> dict[str, list[str]]:
     trainers = devices // 2
     colocated = [f"ray.num_devices_per_node={devices if gpu else 1}"]
     separate = [f"ray.num_devices_per_node={trainers}", f"ray.rollout_devices_per_node={devices - trainers}"]
+    tis = "rl.algorithm.rollout_correction.rollout_is=token"
+    one_step = [*separate, "rl.async_training.mode=one_step_off"]
     fully = [*separate, "rl.async_training.mode=fully_async", "rl.async_training.generation_groups=16",
              "rl.async_training.max_staleness=1", "rl.async_training.partial_rollout_tokens=16"]
     return {"sync colocated": colocated, "sync separate": separate,
-            "one-step off": [*separate, "rl.async_training.mode=one_step_off"], "fully async": fully,
-            "fully async + TIS": [*fully, "rl.algorithm.rollout_correction.rollout_is=token"],
+            "one-step off": one_step, "one-step off + TIS": [*one_step, tis], "fully async": fully,
+            "fully async + TIS": [*fully, tis],
             "fully async + bypass": [*fully, "rl.algorithm.rollout_correction.bypass_mode=true"]}
 
 
@@ -146,6 +149,13 @@ def main() -> None:
             write(results, args)  # after every variant: a later failure keeps the finished ones
 
 
+def command_python() -> str:
+    """The interpreter as a reader would type it: .venv/bin/python in this checkout, else its name (python3)."""
+    exe = Path(sys.executable).absolute()
+    python = str(exe.relative_to(Path.cwd())) if exe.is_relative_to(Path.cwd()) else exe.name
+    return f"PYTHONPATH={os.environ['PYTHONPATH']} {python}" if os.environ.get("PYTHONPATH") else python
+
+
 def write(results: list[dict], args) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {len(os.sched_getaffinity(0))} cores"
@@ -153,7 +163,7 @@ def write(results: list[dict], args) -> None:
         import torch
 
         machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    command = "PYTHONPATH=. .venv/bin/python " + " ".join(sys.argv)
+    command = f"{command_python()} {shlex.join(sys.argv)}"
     Path(args.out + ".json").write_text(json.dumps({"command": command, "commit": commit, "machine": machine,
                                                     "date": str(date.today()), "results": results}, indent=1,
                                                    default=str))
@@ -164,11 +174,11 @@ def write(results: list[dict], args) -> None:
              "|" + " --- |" * 11]
     for r in results:
         last = r["acc"][max(r["acc"])] if r["acc"] else float("nan")
-        ratio = r["steps_per_min_after_first"] / sync[r["seed"]] if r["seed"] in sync else float("nan")
+        ratio = f"{r['steps_per_min_after_first'] / sync[r['seed']]:.2f}x" if r["seed"] in sync else "-"
         first3, last3 = sum(r["scores"][:3]) / 3, sum(r["scores"][-3:]) / 3
         ttt = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(f"| {r['variant']} | {r['seed']} | {r['steps_per_min']:.1f} | "
-                     f"{r['steps_per_min_after_first']:.1f} | {ratio:.2f}x | "
+                     f"{r['steps_per_min_after_first']:.1f} | {ratio} | "
                      f"{r['tokens_per_s_after_first']:,.0f}; {r['tokens_per_s_wall_after_first']:,.0f} | {ttt} | "
                      f"{last:.3f} | "
                      f"{first3:.3f} -> {last3:.3f} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
