@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/async-bench")
     parser.add_argument("--out", default=f"bench/results/{date.today()}-async-cpu")
     args = parser.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the first variant, not after it
     work = Path(args.source or args.work)
     results = []
     for seed in args.seeds:
