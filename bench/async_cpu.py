@@ -151,10 +151,12 @@ def main() -> None:
 
 
 def command_python() -> str:
-    """The interpreter as a reader would type it: .venv/bin/python in this checkout, else its name (python3)."""
+    """The interpreter as a reader would type it (.venv/bin/python in this checkout, else its name: python3), after
+    the environment that changes the run (PYTHONPATH, OMP_NUM_THREADS) where set."""
     exe = Path(sys.executable).absolute()
     python = str(exe.relative_to(Path.cwd())) if exe.is_relative_to(Path.cwd()) else exe.name
-    return f"PYTHONPATH={os.environ['PYTHONPATH']} {python}" if os.environ.get("PYTHONPATH") else python
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("OMP_NUM_THREADS", "PYTHONPATH") if os.environ.get(k)]
+    return " ".join([*env, python])
 
 
 def write(results: list[dict], args) -> None:
