@@ -3,7 +3,7 @@
 # (N = 1, 2, 4, 8 up to the machine's GPUs, 32 prompts x 8 per GPU at every N) and tensor- against
 # data-parallel rollout of a 7B-shaped model over all the GPUs (tp 1, 2, 4, 8 up to them).
 #   [NS="1 4 2 1 4"] [STEPS=5] [SET="key=value ..."] bash bench/gpu_scale.sh OUT_DIR [MAX_GPUS] [all|worker|tp]
-# (SET: config overrides for the worker runs, e.g. SET=rl.rollout.logprob_check_freq=1000 to check only the first sync)
+# (SET: config overrides for the worker runs, e.g. SET=rl.rollout.logprob_check_freq=1000 to check only the first sync and the last step)
 # Needs pydantic on the image (carried in .whl/, installed here into /tmp/pyd when missing). Each run's console
 # goes to OUT_DIR/*.log; the JSON results to OUT_DIR/w (gpu-worker-rR-nN.json, R the run's number) and OUT_DIR/tpK (gpu-tp-rollout.json).
 set -uo pipefail
