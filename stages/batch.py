@@ -79,6 +79,8 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
         raise ValueError("every response needs at least one token (max_tokens >= 1)")
     if any(len(lp) != len(x) for lp, x in zip(rollout_logprobs, response_ids, strict=True)):
         raise ValueError("every response needs one rollout logprob per token")
+    if response_masks is not None and any(len(m) != len(x) for m, x in zip(response_masks, response_ids, strict=True)):
+        raise ValueError("every response needs one response mask value per token")
     n = len(prompt_ids)
     p_len = torch.tensor([len(x) for x in prompt_ids])
     r_len = torch.tensor([len(x) for x in response_ids])
@@ -97,8 +99,8 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     attention_mask = ((column >= (p - p_len)[:, None]) & (column < (p + r_len)[:, None])).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention_mask[:, p:].bool()
-    for i, mask in enumerate(response_masks or []):
-        response_mask[i, : len(mask)] &= torch.tensor(mask, dtype=torch.bool)
+    if response_masks is not None:  # one scatter, as the tokens (a per-row loop was half of 0.1 s at 1,024 rows)
+        response_mask[rows, cols] = _flat(response_masks, np.bool_)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "response_mask": response_mask, "rollout_logprobs": logprobs}
     return Batch(tensors, dict(meta or {}))

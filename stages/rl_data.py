@@ -131,15 +131,17 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
 
     columns = {k: per_seq(k) for k in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
                                        "entropy", "kl")}
+    # per-sample values as lists at once (indexing the tensors row by row took ~20 ms at 1,024 rows)
+    prompt_tokens = t["attention_mask"][:, : -batch.num_response_tokens].sum(-1).tolist()
+    response_tokens, scores, rewards = mask.sum(-1).tolist(), t["scores"].float().tolist(), t["rewards"].float().tolist()
     rows = []
     for i in range(len(batch)):
         row = {
             "group_id": batch.meta["group_id"][i], "sample_index": batch.meta["sample_index"][i],
             "data_source": batch.meta["data_source"][i], "prompt": prompt_texts[i],
             "response": batch.meta["response"][i], "ground_truth": str(batch.meta["ground_truth"][i]),
-            "num_prompt_tokens": int(t["attention_mask"][i, : -batch.num_response_tokens].sum()),
-            "num_response_tokens": int(mask[i].sum()), "score": float(t["scores"][i]),
-            "reward": float(t["rewards"][i]), "advantage": columns["advantages"][i],
+            "num_prompt_tokens": prompt_tokens[i], "num_response_tokens": response_tokens[i], "score": scores[i],
+            "reward": rewards[i], "advantage": columns["advantages"][i],
             "old_logprob_mean": columns["old_logprobs"][i], "ref_logprob_mean": columns["ref_logprobs"][i],
             "rollout_logprob_mean": columns["rollout_logprobs"][i], "entropy_mean": columns["entropy"][i],
             "kl_mean": columns["kl"][i], "finish_reason": batch.meta["finish_reason"][i],

@@ -46,6 +46,15 @@ class LoopContext:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_all(self, sequences: list[list[int]]) -> list[str]:
+        """`decode` of each sequence; a fast tokenizer decodes them in one call on all the host's cores (the
+        driver's largest serial cost after generation: ~0.1 s for 1,024 responses of ~300 tokens on one core).
+        Tokenizers that clean up spaces after decoding (WordPiece-era ones) decode one by one, as `decode` does."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return [self.decode(ids) for ids in sequences]
+        return backend.decode_batch(sequences, skip_special_tokens=True)
+
 
 class AgentLoop:
     """Base of every loop. Subclasses implement `run_batch`."""
@@ -68,11 +77,12 @@ class SingleTurnLoop(AgentLoop):
 
     def run_batch(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
         outputs = ctx.generate([s.prompt_ids for s in samples], ctx.params)
+        texts = ctx.decode_all([o.response_ids for o in outputs])
         return [Trajectory(prompt_index=samples[o.prompt_index].prompt_index, response_ids=o.response_ids,
                            response_mask=[1] * len(o.response_ids), logprobs=o.logprobs,
-                           finish_reason=o.finish_reason, text=ctx.decode(o.response_ids), agent_name=self.name,
+                           finish_reason=o.finish_reason, text=text, agent_name=self.name,
                            versions=o.extra.get("versions"))
-                for o in outputs]
+                for o, text in zip(outputs, texts, strict=True)]
 
 
 def agent_loop(name: str) -> AgentLoop:

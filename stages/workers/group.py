@@ -173,8 +173,10 @@ class WorkerGroup:
         return self._split(method, batch, shards, args)[0]
 
     def _split(self, method: str, batch: Batch, shards: list[list[int]], args: tuple) -> list:
-        """`method(rows, *args)` on every rank, the ranks of a sequence-parallel group with their group's rows."""
-        parts = [batch.select(rows) for rows in shards]
+        """`method(rows, *args)` on every rank, the ranks of a sequence-parallel group with their group's rows.
+        Only the tensors travel: the workers compute on them, and the meta (texts, turns) stays on the driver."""
+        tensors_only = Batch(batch.tensors)
+        parts = [tensors_only.select(rows) for rows in shards]
         return self.call_each(method, [(parts[rank // self.sequence_parallel_size], *args)
                                        for rank in range(self.world_size)])
 

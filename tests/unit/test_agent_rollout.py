@@ -4,11 +4,14 @@ mixed loops comes back prompt-major in row order."""
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.agent import AGENT_LOOPS, Rollout, Trajectory, agent_loop
+from stages.agent import AGENT_LOOPS, LoopContext, Rollout, Trajectory, agent_loop
 from stages.data_prep import load_prompts
 from stages.model.loading import load_model, load_tokenizer
 from stages.rewards.pool import RewardPool, RewardRequest
@@ -57,6 +60,20 @@ def test_single_turn_is_the_direct_engine_call_and_reward(setup):
                                        prompts.ground_truths[rows[o.prompt_index]],
                                        prompts.extra_infos[rows[o.prompt_index]]) for o, text in zip(outputs, texts)])
     assert scored.scores == direct.scores and scored.result.errors == direct.errors
+
+
+def test_decoding_all_responses_at_once_is_decoding_each(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rng = random.Random(0)
+    special = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    sequences = [[rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
+                  for _ in range(rng.randrange(1, 40))] for _ in range(50)]
+    each = [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    assert LoopContext(None, tokenizer, PARAMS).decode_all(sequences) == each
+    cleaning = copy.deepcopy(tokenizer)  # a tokenizer that cleans up spaces decodes one by one, as decode does
+    cleaning.clean_up_tokenization_spaces = True
+    assert LoopContext(None, cleaning, PARAMS).decode_all(sequences) == [
+        cleaning.decode(ids, skip_special_tokens=True) for ids in sequences]
 
 
 def test_rows_choose_their_loop_and_come_back_in_row_order(setup, tiny_config, tiny_data_dir, tmp_path):

@@ -37,5 +37,7 @@ def test_layout_equals_padding_each_sample_by_hand():
 def test_mismatched_logprobs_and_empty_responses_are_refused():
     with pytest.raises(ValueError, match="one rollout logprob per token"):
         build_batch([[1], [2]], [[3, 4], [5]], [[0.0], [0.0, 0.0]], pad_token_id=0)  # same total, wrong rows
+    with pytest.raises(ValueError, match="one response mask value per token"):
+        build_batch([[1], [2]], [[3, 4], [5]], [[0.0, 0.0], [0.0]], pad_token_id=0, response_masks=[[1], [1, 0]])
     with pytest.raises(ValueError, match="at least one token"):
         build_batch([[1]], [[]], [[]], pad_token_id=0)

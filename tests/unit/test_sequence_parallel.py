@@ -128,10 +128,11 @@ def test_the_ranks_of_a_group_get_the_same_rows_and_one_result_comes_back():
     given = []
     group.call_each = lambda method, per_rank: given.extend(per_rank) or [
         (rows.tensors["input_ids"][:, 0] * 10 + rank,) for rank, (rows, *_) in enumerate(per_rank)]
-    batch = Batch({"input_ids": torch.arange(16)[:, None]}, {})
+    batch = Batch({"input_ids": torch.arange(16)[:, None]}, {"response": [f"text {i}" for i in range(16)]})
     (result,) = group.map_rows("f", batch, 8)
     assert [rows.tensors["input_ids"][:, 0].tolist() for rows, *_ in given] == [[0, 1, 2, 3, 8, 9, 10, 11]] * 2 + [
         [4, 5, 6, 7, 12, 13, 14, 15]] * 2
+    assert all(rows.meta == {} for rows, *_ in given)  # the meta stays on the driver
     assert result.tolist() == [10 * x + (2 if x % 8 >= 4 else 0) for x in range(16)]  # from ranks 0 and 2
 
 
