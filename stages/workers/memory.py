@@ -4,12 +4,15 @@
 the peak allocated bytes on exit (the largest over repeated calls). `metrics()` is a collective (every rank calls it,
 in the same order): each value is the maximum over ranks, and the peaks start again. On CPU the phases record
 nothing and `perf/cpu_memory_used_gb` is the process's resident memory (the largest over ranks).
+`perf/compiled_graphs` counts the graphs torch.compile has made in the process so far: a step that raises it
+recompiled (a new shape), which shows as a slow phase.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -46,9 +49,17 @@ class MemoryPeaks:
             values[f"{perf}/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
             values[f"{perf}/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
         values[f"{perf}/cpu_memory_used_gb"] = _resident_bytes() / GB
+        values[f"{perf}/compiled_graphs"] = float(compiled_graphs())
         self.peaks.clear()
         reduced = all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), dist.ReduceOp.MAX)
         return dict(zip(values, reduced.tolist()))  # ranks ran the same phases: same keys
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process (0 before anything is compiled; dynamo is not imported here
+    for it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def _resident_bytes() -> int:

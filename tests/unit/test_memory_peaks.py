@@ -39,11 +39,23 @@ def test_cpu_metrics_give_the_resident_memory_and_no_device_peaks():
     with memory.phase("gen"):
         block = torch.ones(2**20)  # noqa: F841 - 4 MiB resident while measured
     metrics = memory.metrics()
-    assert list(metrics) == ["perf/cpu_memory_used_gb"] and 0.01 < metrics["perf/cpu_memory_used_gb"] < 1024
+    assert list(metrics) == ["perf/cpu_memory_used_gb", "perf/compiled_graphs"]
+    assert 0.01 < metrics["perf/cpu_memory_used_gb"] < 1024
 
 
 def test_a_scope_names_another_worker_s_figures():
     memory = MemoryPeaks(torch.device("cpu"), scope="/rollout")
     with memory.phase("gen"):
         pass
-    assert list(memory.metrics()) == ["perf/rollout/cpu_memory_used_gb"]
+    assert list(memory.metrics()) == ["perf/rollout/cpu_memory_used_gb", "perf/rollout/compiled_graphs"]
+
+
+def test_a_recompilation_raises_the_compiled_graphs_count():
+    memory = MemoryPeaks(torch.device("cpu"))
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    double(torch.ones(3))
+    before = memory.metrics()["perf/compiled_graphs"]
+    double(torch.ones(3))  # the same shape: no new graph
+    assert memory.metrics()["perf/compiled_graphs"] == before >= 1
+    double(torch.ones(5))  # a new shape, static: a new graph
+    assert memory.metrics()["perf/compiled_graphs"] == before + 1
