@@ -79,6 +79,7 @@ def summarize(root: str, start: float, end: float) -> dict:
         return {r["step"]: r["value"] for r in query(root, f"SELECT step, value FROM metrics WHERE name = '{name}'")}
 
     step_s, testing = series("timing_s/step"), series("timing_s/testing")
+    graphs = series("perf/compiled_graphs")  # torch.compile's graphs so far: a rise after step 1 is a recompile
     acc = {s: v for s, v in series("val/acc/mean@1").items() if s > 0}
     stamps = {r["step"]: r["t"] for r in query(root, "SELECT step, epoch(max(time)) AS t FROM metrics GROUP BY 1")}
     first_stamp = min(stamps.values())
@@ -101,6 +102,8 @@ def summarize(root: str, start: float, end: float) -> dict:
             "tokens_per_step": tokens, "rl_wall_s": end - start,
             "startup_s": first_stamp - start - step_s[first],
             "acc": acc, "step_s": step_s, "testing_s": testing, "stamps": stamps, "scores": scores,
+            "compiled_graphs": graphs,
+            "recompiles_after_first": max(graphs.values()) - graphs[first] if graphs else None,
             "staleness_mean": stale["mean"], "staleness_max": stale["max"], "partial_frac": stale["partial"]}
 
 
@@ -146,7 +149,8 @@ def main() -> None:
             results.append(result)
             print(json.dumps({k: result[k] for k in ("variant", "seed", "steps_per_min", "steps_per_min_after_first",
                                                      "tokens_per_s_after_first", "tokens_per_s_wall_after_first",
-                                                     "time_to_target_s", "staleness_mean")}), flush=True)
+                                                     "recompiles_after_first", "time_to_target_s",
+                                                     "staleness_mean")}), flush=True)
             write(results, args)  # after every variant: a later failure keeps the finished ones
 
 

@@ -133,7 +133,8 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
                                        "entropy", "kl")}
     # per-sample values as lists at once (indexing the tensors row by row took ~20 ms at 1,024 rows)
     prompt_tokens = t["attention_mask"][:, : -batch.num_response_tokens].sum(-1).tolist()
-    response_tokens, scores, rewards = mask.sum(-1).tolist(), t["scores"].float().tolist(), t["rewards"].float().tolist()
+    response_tokens = mask.sum(-1).tolist()
+    scores, rewards = t["scores"].float().tolist(), t["rewards"].float().tolist()
     rows = []
     for i in range(len(batch)):
         row = {
