@@ -2,10 +2,11 @@
 
 A synchronous step at N ranks gathers N ranks' rollout outputs, turns them into trajectories (decoding every
 response), builds the padded batch, balances it, sends each rank its rows (twice: old_log_prob and the update) and
-writes the rollout rows. The engines and trainers work in parallel; this part does not, so it is what keeps weak
-scaling under N (bench/results/2026-11-27-gpu-x4-scale.md). Each part runs the stage's own functions on synthetic
-outputs (`--per-rank` responses per rank, 100-511 tokens, prompts 40-119 tokens, groups of 8) with a byte-level BPE
-tokenizer as Qwen's; Ray's transport is stood in for by pickling (what Ray does to the arguments and results).
+writes the rollout rows. The engines and trainers work in parallel; this part does not, so it is part of what keeps
+weak scaling under N (bench/results/2026-11-27-gpu-x4-scale.md). Each part runs the stage's own functions on
+synthetic outputs (`--per-rank` responses per rank, 100-511 tokens, prompts 40-119 tokens, groups of 8) with a
+byte-level BPE tokenizer as Qwen's (8,000 tokens, trained here); Ray's transport is stood in for by pickling (what
+Ray does to the arguments and results).
 
     PYTHONPATH=. .venv/bin/python bench/driver_cpu.py --ranks 1 4 --repeats 3 [--out FILE.json]
 """
