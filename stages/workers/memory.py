@@ -5,7 +5,9 @@ the peak allocated bytes on exit (the largest over repeated calls). `metrics()` 
 in the same order): each value is the maximum over ranks, and the peaks start again. On CPU the phases record
 nothing and `perf/cpu_memory_used_gb` is the process's resident memory (the largest over ranks).
 `perf/compiled_graphs` counts the graphs torch.compile has made in the process so far: a step that raises it
-recompiled (a new shape), which shows as a slow phase.
+recompiled (a new shape), which shows as a slow phase. On CUDA `perf/num_alloc_retries` counts the caching
+allocator's retries so far (an allocation that failed, freed the cache and synchronized before trying again): a
+step that raises it paid for memory pressure.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class MemoryPeaks:
         if self.cuda:
             values[f"{perf}/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
             values[f"{perf}/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+            values[f"{perf}/num_alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
         values[f"{perf}/cpu_memory_used_gb"] = _resident_bytes() / GB
         values[f"{perf}/compiled_graphs"] = float(compiled_graphs())
         self.peaks.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stages.workers.memory import MemoryPeaks, measured
@@ -59,3 +60,13 @@ def test_a_recompilation_raises_the_compiled_graphs_count():
     assert memory.metrics()["perf/compiled_graphs"] == before >= 1
     double(torch.ones(5))  # a new shape, static: a new graph
     assert memory.metrics()["perf/compiled_graphs"] == before + 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_metrics_give_the_phase_peaks_and_the_allocator_retries():
+    memory = MemoryPeaks(torch.device("cuda"))
+    with memory.phase("gen"):
+        block = torch.ones(2**28, device="cuda")  # noqa: F841 - 1 GiB at the peak
+    metrics = memory.metrics()
+    assert metrics["perf/max_memory_allocated_gb/gen"] >= 1.0 <= metrics["perf/max_memory_allocated_gb"]
+    assert metrics["perf/num_alloc_retries"] == torch.cuda.memory_stats().get("num_alloc_retries", 0)
