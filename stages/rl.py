@@ -119,7 +119,7 @@ DRIVER_THREADS = 8
 def driver_threads(limit: int = DRIVER_THREADS):
     """The driver's torch ops on at most `limit` threads. The driver only builds, balances and slices batches (the
     workers compute, in their own processes); with one thread per core of a 64-core GPU host its small ops took
-    4-5x as long as with 1-16 threads (bench/driver_cpu.py: 0.63-0.90 s a step for 4 ranks' 1,024 samples against
+    3-5x as long as with 1-16 threads (bench/driver_cpu.py: 0.63-0.90 s a step for 4 ranks' 1,024 samples against
     0.18-0.20 s), time that no GPU overlaps."""
     before = torch.get_num_threads()
     torch.set_num_threads(min(before, limit))
