@@ -19,12 +19,12 @@ import pickle
 import platform
 import random
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 
 import torch
 
+from infra.artifacts import code_version
 from stages.agent.loops import LoopContext, Sample, SingleTurnLoop
 from stages.batch import balance_batch
 from stages.model.tiny import train_tokenizer
@@ -97,21 +97,13 @@ def one_step(world: int, per_rank: int, tok, seed: int) -> dict[str, float]:
     lap("balance")
     group = sending_group(world)
     for _ in range(2):  # old_log_prob and update_actor each send the rows
-        group._split("update_actor", batch, [list(range(r, len(batch), world)) for r in range(world)], ())
+        group.split_call("update_actor", batch, per_rank * world // 2)
     lap("send x2")
     batch.tensors["old_logprobs"] = batch.tensors["advantages"] = batch.tensors["rollout_logprobs"]
     trajectory_rows(batch, ["prompt"] * len(batch), 0)
     lap("rows")
     times["total"] = sum(times.values())
     return times
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -128,12 +120,12 @@ def main() -> None:
         steps = [one_step(world, args.per_rank, tok, seed=s) for s in range(args.repeats)]
         medians[world] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     parts = list(medians[args.ranks[0]])
-    print(f"driver ms per step, median of {args.repeats} (commit {git_commit()}, {torch.get_num_threads()} threads)")
+    print(f"driver ms per step, median of {args.repeats} (commit {code_version()}, {torch.get_num_threads()} threads)")
     print(f"{'N':>3} " + " ".join(f"{p:>12}" for p in parts))
     for world, m in medians.items():
         print(f"{world:>3} " + " ".join(f"{m[p] * 1000:12.1f}" for p in parts))
     if args.out:
-        record = {"commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        record = {"commit": code_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
                   "threads": torch.get_num_threads(), "per_rank": args.per_rank, "repeats": args.repeats,
                   "median_s": medians}

@@ -153,9 +153,8 @@ class Bench:
 
     def run(self, profile: Path | None = None) -> dict:
         """One GRPO step; `profile`: the phase of --profile under torch.profiler, kernel tables written there."""
-        import torch._dynamo
-
         from stages.rollout.base import SamplingParams
+        from stages.workers.memory import compiled_graphs
 
         times, peaks = {}, {}
         ro = self.cfg.rl.rollout
@@ -190,7 +189,7 @@ class Bench:
                 "rollout/logprob_diff_max": sync.get("rollout/logprob_diff_max", float("nan")),
                 **{k: v for k, v in sync.items() if k.startswith("timing_s/")},  # push and check
                 "local_tokens": int(shard.tensors["attention_mask"].sum()),
-                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}  # recompiles show here
+                "compiled_graphs": compiled_graphs()}  # recompiles show here
 
     def generate(self, every: list[list[list[int]]], params):
         """This rank's rollouts of its prompts (`every[rank]`), then the driver's part: gather the outputs (not the

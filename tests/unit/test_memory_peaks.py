@@ -68,5 +68,5 @@ def test_cuda_metrics_give_the_phase_peaks_and_the_allocator_retries():
     with memory.phase("gen"):
         block = torch.ones(2**28, device="cuda")  # noqa: F841 - 1 GiB at the peak
     metrics = memory.metrics()
-    assert metrics["perf/max_memory_allocated_gb/gen"] >= 1.0 <= metrics["perf/max_memory_allocated_gb"]
+    assert metrics["perf/max_memory_allocated_gb"] >= metrics["perf/max_memory_allocated_gb/gen"] >= 1.0
     assert metrics["perf/num_alloc_retries"] == torch.cuda.memory_stats().get("num_alloc_retries", 0)
