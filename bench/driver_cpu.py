@@ -29,7 +29,7 @@ from stages.agent.loops import LoopContext, Sample, SingleTurnLoop
 from stages.batch import balance_batch
 from stages.model.tiny import train_tokenizer
 from stages.rl_data import rollout_batch, trajectory_rows
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.workers.group import WorkerGroup
 
 GROUP = 8  # samples per prompt
@@ -73,7 +73,8 @@ def one_step(world: int, per_rank: int, tok, seed: int) -> dict[str, float]:
     prompts_per_rank = per_rank // GROUP
     prompt_ids = [[rng.randrange(len(tok)) for _ in range(rng.randrange(40, 120))]
                   for _ in range(world * prompts_per_rank)]
-    sent = [pickle.dumps(rank_outputs(r, per_rank, len(tok), rng)) for r in range(world)]  # on the workers
+    # on the workers: what ActorRolloutWorker.generate returns
+    sent = [pickle.dumps(PackedOutputs.pack(rank_outputs(r, per_rank, len(tok), rng))) for r in range(world)]
     times: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -84,8 +85,8 @@ def one_step(world: int, per_rank: int, tok, seed: int) -> dict[str, float]:
         mark = now
 
     results = [pickle.loads(blob) for blob in sent]
-    outputs = [RolloutOutput(o.prompt_index + r * prompts_per_rank, o.response_ids, o.logprobs, o.finish_reason)
-               for r, outs in enumerate(results) for o in outs]
+    shards = [range(r * prompts_per_rank, (r + 1) * prompts_per_rank) for r in range(world)]
+    outputs = PackedOutputs.concat(results, shards)  # as the stage's engine_generate
     lap("gather")
     ctx = LoopContext(lambda ids, params: outputs, tok, SamplingParams(n=GROUP))
     trajectories = SingleTurnLoop().run_batch(ctx, [Sample(i, p, [], {}) for i, p in enumerate(prompt_ids)])

@@ -86,8 +86,8 @@ def recipe(args, model_dir: str, world: int) -> list[str]:
             f"ray.num_devices_per_node={world}", *args.set]
 
 
-def reward(response: list[int]) -> float:
-    return (len(response) % 7) / 6  # cheap and varied within a group
+def reward(lengths):
+    return (lengths % 7) / 6  # cheap and varied within a group (of the responses' lengths)
 
 
 def build_model_dir(quick: bool, device: str, hazard: float = 1 / 200, shape: str = "0.5b") -> tuple:
@@ -198,20 +198,24 @@ class Bench:
         import torch.distributed as dist
 
         from stages.batch import balance_batch, build_batch
+        from stages.rollout.base import PackedOutputs
 
         start = time.perf_counter()
-        outs = self.worker.generate(every[self.rank], params)  # token lists on the host: the engine is done
+        outs = self.worker.generate(every[self.rank], params)  # PackedOutputs on the host: the engine is done
         engine_s = time.perf_counter() - start
-        mine = [(o.prompt_index, o.response_ids, o.logprobs) for o in outs]  # what a RolloutOutput carries
         gathered: list = [None] * self.world
         dist.barrier()  # the wait for the slowest engine is not the gather's
         marks = [time.perf_counter()]
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, outs)  # arrays, as Ray brings the stage's driver
         marks.append(time.perf_counter())
-        rows = [(every[r][i], ids, lps, f"{r}-{i}") for r, part in enumerate(gathered) for i, ids, lps in part]
-        batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                            pad_token_id=self.config.pad_token_id, meta={"group_id": [r[3] for r in rows]})
-        batch.tensors["scores"] = torch.tensor([reward(r[1]) for r in rows])
+        size = len(every[0])
+        outputs = PackedOutputs.concat(gathered, [range(r * size, (r + 1) * size) for r in range(self.world)])
+        prompts = [p for part in every for p in part]
+        rows = outputs.prompt_index.tolist()
+        batch = build_batch([prompts[i] for i in rows], outputs.split(outputs.token_ids),
+                            outputs.split(outputs.logprobs), pad_token_id=self.config.pad_token_id,
+                            meta={"group_id": rows})  # the arrays of single-turn trajectories, as the stage's
+        batch.tensors["scores"] = torch.from_numpy(reward(outputs.lengths)).float()
         marks.append(time.perf_counter())
         batch, seqlen = balance_batch(batch, self.world, self.mini_rows)
         marks.append(time.perf_counter())
@@ -282,8 +286,10 @@ def main(argv=None) -> None:
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("run under torchrun: torchrun --nproc_per_node=N bench/gpu_worker.py ...")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # one GPU per worker, as Ray gives it (before anything initialises CUDA), and one OpenMP thread, as Ray gives a
-    # worker of one CPU slot (torchrun sets it at N > 1 only; at N = 1 the process would get every core)
+    # one GPU per worker, as Ray gives it (before anything initialises CUDA), and one OpenMP thread unless
+    # OMP_NUM_THREADS says otherwise (torchrun sets it at N > 1 only; at N = 1 the process would get every core,
+    # 0.57x the step's tokens/s on a 64-core host). The stage's GPU workers take up to GPU_WORKER_THREADS (4): 1 and
+    # 4 gave the same rates within the runs' spread (bench/results/2026-11-27-gpu-packed-outputs.md).
     os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.quick else os.environ["LOCAL_RANK"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch

@@ -99,15 +99,17 @@ def build_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], roll
     attention_mask = ((column >= (p - p_len)[:, None]) & (column < (p + r_len)[:, None])).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention_mask[:, p:].bool()
-    if response_masks is not None:  # one scatter, as the tokens (a per-row loop was half of 0.1 s at 1,024 rows)
-        response_mask[rows, cols] = _flat(response_masks, np.bool_)
+    if response_masks is not None and any(0 in m for m in response_masks):  # all ones: what the default is
+        response_mask[rows, cols] = _flat(response_masks, np.bool_)  # one scatter (a loop per row took 50 ms)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "response_mask": response_mask, "rollout_logprobs": logprobs}
     return Batch(tensors, dict(meta or {}))
 
 
-def _flat(rows: list[list], dtype) -> torch.Tensor:
-    """Rows laid end to end in one 1-D tensor."""
+def _flat(rows: list, dtype) -> torch.Tensor:
+    """Rows (lists, or 1-D arrays: single-turn trajectories') laid end to end in one 1-D tensor."""
+    if rows and all(isinstance(row, np.ndarray) for row in rows):  # 1.4 ms for 300k values, lists 8-14 ms
+        return torch.from_numpy(np.concatenate(rows).astype(dtype, copy=False))
     return torch.from_numpy(np.fromiter(chain.from_iterable(rows), dtype=dtype, count=sum(map(len, rows))))
 
 

@@ -44,7 +44,7 @@ from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.rewards.pool import RewardPool
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.rollout.local import local_engine
 from stages.validation import group_metrics
 
@@ -80,13 +80,12 @@ class EvalWorker:
         self.rank, self.world_size = rank, world_size
         self.engine = make_engine(cfg, model_dir)
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> PackedOutputs:
         per_rank = -(-len(prompt_ids) // self.world_size)  # ceil
         start = self.rank * per_rank
-        outputs = self.engine.generate(prompt_ids[start : start + per_rank], params)
-        for out in outputs:
-            out.prompt_index += start
-        return outputs
+        outputs = PackedOutputs.pack(self.engine.generate(prompt_ids[start : start + per_rank], params))
+        outputs.prompt_index += start
+        return outputs  # arrays: the driver unpickles no object per token
 
 
 def make_engine(cfg: Config, model_dir: str):
@@ -123,7 +122,7 @@ def eval_workers(cfg: Config, model_dir: str):
 
         def generate(prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
             shards = ray.get([h.generate.remote(prompt_ids, params) for h in handles])
-            return [out for shard in shards for out in shard]
+            return PackedOutputs.concat(shards, [range(len(prompt_ids))] * len(shards))
 
         yield generate
     finally:

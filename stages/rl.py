@@ -63,7 +63,7 @@ from stages.rl_data import (
     trajectory_rows,
     turn_rows,
 )
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
 from stages.validation import group_metrics
 from stages.workers.actor_rollout import ActorRolloutWorker, prefix_router
@@ -340,8 +340,8 @@ class RLTrainer:
         shards = router.shards(prompt_ids) if router else rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
         seeds = [None if params.seed is None else params.seed + 1_000_003 * g for g in range(engines)]
         calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp])) for r in range(ranks)]
-        results = self.engines.call_each("generate", calls)[::tp]
-        outputs = [replace(o, prompt_index=rows[o.prompt_index]) for rows, outs in zip(shards, results) for o in outs]
+        results = self.engines.call_each("generate", calls)[::tp]  # PackedOutputs: arrays, not token objects
+        outputs = PackedOutputs.concat(results, shards)
         if router is None:
             return outputs
         router.record(shards, prompt_ids, results)

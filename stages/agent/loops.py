@@ -18,7 +18,7 @@ from typing import Any
 from infra.imports import load_object
 from stages.agent.trajectory import Trajectory
 from stages.core.registry import Registry
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 
 DEFAULT_LOOP = "single_turn"
 GenerateFn = Callable[[list[list[int]], SamplingParams], list[RolloutOutput]]
@@ -76,13 +76,16 @@ class SingleTurnLoop(AgentLoop):
     name = "single_turn"
 
     def run_batch(self, ctx: LoopContext, samples: list[Sample]) -> list[Trajectory]:
-        outputs = ctx.generate([s.prompt_ids for s in samples], ctx.params)
-        texts = ctx.decode_all([o.response_ids for o in outputs])
-        return [Trajectory(prompt_index=samples[o.prompt_index].prompt_index, response_ids=o.response_ids,
-                           response_mask=[1] * len(o.response_ids), logprobs=o.logprobs,
-                           finish_reason=o.finish_reason, text=text, agent_name=self.name,
-                           versions=o.extra.get("versions"))
-                for o, text in zip(outputs, texts, strict=True)]
+        """The trajectories' ids and logprobs are array views of the packed outputs (workers send them packed):
+        building the batch concatenates them instead of iterating ~300 Python numbers per sample."""
+        outputs = PackedOutputs.pack(ctx.generate([s.prompt_ids for s in samples], ctx.params))
+        texts = ctx.decode_all(outputs.token_lists())
+        columns = (outputs.prompt_index.tolist(), outputs.split(outputs.token_ids), outputs.split(outputs.logprobs),
+                   outputs.finish_reasons, outputs.extras, texts)
+        return [Trajectory(prompt_index=samples[p].prompt_index, response_ids=ids, response_mask=[1] * len(ids),
+                           logprobs=logprobs, finish_reason=finish, text=text, agent_name=self.name,
+                           versions=extra.get("versions"))
+                for p, ids, logprobs, finish, extra, text in zip(*columns, strict=True)]
 
 
 def agent_loop(name: str) -> AgentLoop:

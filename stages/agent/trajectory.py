@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Trajectory:
     prompt_index: int  # index into the prompt rows the rollout was given
-    response_ids: list[int]
+    response_ids: list[int] | np.ndarray  # single-turn: a 1-D array view of the packed outputs (stages/rollout/base.py)
     response_mask: list[int]  # 1: the model's token, 0: a tool or user token
-    logprobs: list[float]  # the engine's logprob of each model token, 0.0 on tool/user tokens
+    logprobs: list[float] | np.ndarray  # the engine's logprob of each model token, 0.0 on tool/user tokens
     finish_reason: str  # "stop", "length", or a loop's own reason (e.g. "max_turns")
     text: str  # what the reward scores: the model's decoded text (all turns' for multi-turn loops)
     agent_name: str = "single_turn"

@@ -52,7 +52,7 @@ from stages.model.policy import (
     packing_unsupported,
 )
 from stages.model.sequence_parallel import check_heads, consecutive_group, sequence_parallel_group
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.rollout.cuda_model import TP_FIELD
 from stages.rollout.local import local_engine
 from stages.rollout.prefix_cache import PrefixRouter
@@ -212,13 +212,14 @@ class ActorRolloutWorker:
         self.engine.wake() if awake else self.engine.sleep()
 
     @measured("gen")
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
-        """This rank's prompts (`prompt_index` counts from 0 within them); the driver offsets the indices."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> PackedOutputs:
+        """This rank's prompts (`prompt_index` counts from 0 within them); the driver offsets the indices. Packed:
+        the driver unpickles arrays, not one object per token."""
         if self._held_awake:
-            return self.engine.generate(prompt_ids, params)
+            return PackedOutputs.pack(self.engine.generate(prompt_ids, params))
         self.engine.wake()
         try:
-            return self.engine.generate(prompt_ids, params)
+            return PackedOutputs.pack(self.engine.generate(prompt_ids, params))
         finally:
             self.engine.sleep()
 

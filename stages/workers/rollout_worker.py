@@ -14,7 +14,7 @@ import torch
 
 from infra.config import Config
 from stages.model.fsdp import init_process_group
-from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, SamplingParams
 from stages.workers.actor_rollout import make_engine
 from stages.workers.memory import MemoryPeaks, measured
 from stages.workers.weight_transfer import WeightGroup, WeightMeta
@@ -35,8 +35,8 @@ class RolloutWorker:
         """The engine is always awake here (nothing else uses the device)."""
 
     @measured("gen")
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
-        return self.engine.generate(prompt_ids, params)
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> PackedOutputs:
+        return PackedOutputs.pack(self.engine.generate(prompt_ids, params))  # arrays for the driver, as the actor's
 
     def engine_param_count(self) -> int:
         return self.engine.param_count()

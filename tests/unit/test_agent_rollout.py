@@ -50,7 +50,8 @@ def test_single_turn_is_the_direct_engine_call_and_reward(setup):
     rows = [4, 0, 7, 2]
     trajectories = Rollout(engine.generate, tokenizer, pool).run(prompts, rows, PARAMS)
     outputs = engine.generate([prompts.prompt_ids[r] for r in rows], PARAMS)  # the call the stages made before
-    assert [(t.prompt_index, t.response_ids, t.logprobs, t.finish_reason) for t in trajectories] == [
+    # single-turn ids and logprobs are array views of the packed outputs: compared as lists
+    assert [(t.prompt_index, list(t.response_ids), list(t.logprobs), t.finish_reason) for t in trajectories] == [
         (o.prompt_index, o.response_ids, o.logprobs, o.finish_reason) for o in outputs]
     texts = [tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outputs]
     assert [t.text for t in trajectories] == texts
@@ -102,7 +103,8 @@ def test_rows_choose_their_loop_and_come_back_in_row_order(setup, tiny_config, t
     assert all(t.agent_name == "echo" and t.response_mask == [1, 0] for t in echo)
     single = [t for t in trajectories if t.prompt_index in (0, 2)]
     alone = Rollout(engine.generate, tokenizer, pool).run(prompts, [0, 2], PARAMS)
-    assert [(t.response_ids, t.logprobs) for t in single] == [(t.response_ids, t.logprobs) for t in alone]
+    assert [(list(t.response_ids), list(t.logprobs)) for t in single] == [
+        (list(t.response_ids), list(t.logprobs)) for t in alone]
 
 
 def test_unknown_or_wrong_loops_are_named(tmp_path):
