@@ -20,6 +20,8 @@ import logging
 import os
 import socket
 
+import torch
+
 from infra.config import Config, RayConfig
 from infra.console import WORKER_HOOK, WORKER_LOG_ENV
 from infra.prefect_env import PROJECT_DIR
@@ -30,15 +32,22 @@ logger = logging.getLogger(__name__)
 _PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE", "CUDA_VISIBLE_DEVICES",
                WORKER_LOG_ENV)
 PLACEMENT_TIMEOUT_S = 120
+# Threads of a GPU worker's torch. On a 64-core, 4-GPU host the GRPO step through the worker took 2.27-2.40 s at
+# 1 or 4 threads a rank, 2.46-2.65 s at 16 (the cores' share), and at N = 1 4.04 s at 64 against 2.3 s
+# (bench/results/2026-11-27-gpu-packed-outputs.md); 4 keeps some parallelism for the batch's scatters.
+GPU_WORKER_THREADS = 4
 
 
 def worker_env(cfg: RayConfig) -> dict[str, str]:
     """Environment of every worker process. Ray would set OMP_NUM_THREADS=1 for a 1-CPU actor (and vLLM's
     CPU backend then pins torch to 1 thread); a colocated worker owns its share of the node's cores, unless the
-    user set OMP_NUM_THREADS for the run (then every process of it uses that many)."""
+    user set OMP_NUM_THREADS for the run (then every process of it uses that many). GPU workers take at most
+    GPU_WORKER_THREADS: their host work is small tensor operations, which many threads slow down."""
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
-    cores = str(max(1, (os.cpu_count() or 1) // (cfg.num_devices_per_node + cfg.rollout_devices_per_node)))
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or cores
+    cores = max(1, (os.cpu_count() or 1) // (cfg.num_devices_per_node + cfg.rollout_devices_per_node))
+    if torch.cuda.device_count():  # a GPU node: the workers get GPUs
+        cores = min(cores, GPU_WORKER_THREADS)
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(cores)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH", "")) if p)
     env.update({"PYTHONPATH": pythonpath, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
