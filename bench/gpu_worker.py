@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # one GPU per worker, as Ray gives it (before anything initialises CUDA), and one OpenMP thread unless
     # OMP_NUM_THREADS says otherwise (torchrun sets it at N > 1 only; at N = 1 the process would get every core,
-    # 0.57x the step's tokens/s on a 64-core host). The stage's GPU workers take up to GPU_WORKER_THREADS (4): 1 and
+    # 0.59x the step's tokens/s on a 64-core host). The stage's GPU workers take up to GPU_WORKER_THREADS (4): 1 and
     # 4 gave the same rates within the runs' spread (bench/results/2026-11-27-gpu-packed-outputs.md).
     os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.quick else os.environ["LOCAL_RANK"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -44,7 +44,7 @@ from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.rewards.pool import RewardPool
-from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
+from stages.rollout.base import PackedOutputs, SamplingParams
 from stages.rollout.local import local_engine
 from stages.validation import group_metrics
 
@@ -83,9 +83,10 @@ class EvalWorker:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> PackedOutputs:
         per_rank = -(-len(prompt_ids) // self.world_size)  # ceil
         start = self.rank * per_rank
-        outputs = PackedOutputs.pack(self.engine.generate(prompt_ids[start : start + per_rank], params))
-        outputs.prompt_index += start
-        return outputs  # arrays: the driver unpickles no object per token
+        outputs = self.engine.generate(prompt_ids[start : start + per_rank], params)
+        for out in outputs:
+            out.prompt_index += start
+        return PackedOutputs.pack(outputs)  # arrays: the driver unpickles no object per token
 
 
 def make_engine(cfg: Config, model_dir: str):
@@ -120,7 +121,7 @@ def eval_workers(cfg: Config, model_dir: str):
         remote = ray.remote(num_cpus=1, num_gpus=num_gpus)(EvalWorker)
         handles = [remote.remote(cfg, model_dir, rank, world_size) for rank in range(world_size)]
 
-        def generate(prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        def generate(prompt_ids: list[list[int]], params: SamplingParams) -> PackedOutputs:
             shards = ray.get([h.generate.remote(prompt_ids, params) for h in handles])
             return PackedOutputs.concat(shards, [range(len(prompt_ids))] * len(shards))
 

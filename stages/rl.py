@@ -28,6 +28,7 @@ import math
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -329,7 +330,7 @@ class RLTrainer:
         finally:
             self.engines.call("hold_engine_awake", False)
 
-    def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+    def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sequence[RolloutOutput]:
         """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
         rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
         outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`. With prefix

@@ -11,7 +11,7 @@ validation and evaluation made before loops existed, so its results are unchange
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from stages.core.registry import Registry
 from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 
 DEFAULT_LOOP = "single_turn"
-GenerateFn = Callable[[list[list[int]], SamplingParams], list[RolloutOutput]]
+GenerateFn = Callable[[list[list[int]], SamplingParams], Sequence[RolloutOutput]]  # a list, or PackedOutputs
 
 
 @dataclass

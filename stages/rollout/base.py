@@ -70,12 +70,15 @@ class PackedOutputs(Sequence[RolloutOutput]):
     def pack(cls, outputs: Sequence[RolloutOutput]) -> PackedOutputs:
         if isinstance(outputs, PackedOutputs):
             return outputs
+        outputs = list(outputs)
         lengths = np.fromiter((len(o.response_ids) for o in outputs), np.int64, count=len(outputs))
         total = int(lengths.sum())
-        return cls(np.fromiter((o.prompt_index for o in outputs), np.int64, count=len(outputs)), lengths,
-                   np.fromiter(chain.from_iterable(o.response_ids for o in outputs), np.int64, count=total),
-                   np.fromiter(chain.from_iterable(o.logprobs for o in outputs), np.float64, count=total),
-                   [o.finish_reason for o in outputs], [o.extra for o in outputs])
+        packed = cls(np.fromiter((o.prompt_index for o in outputs), np.int64, count=len(outputs)), lengths,
+                     np.fromiter(chain.from_iterable(o.response_ids for o in outputs), np.int64, count=total),
+                     np.fromiter(chain.from_iterable(o.logprobs for o in outputs), np.float64, count=total),
+                     [o.finish_reason for o in outputs], [o.extra for o in outputs])
+        packed._outputs = outputs  # the given objects: what iterating in this process gives (not pickled)
+        return packed
 
     @classmethod
     def concat(cls, parts: Sequence[Sequence[RolloutOutput]], prompt_rows: Sequence[Sequence[int]]) -> PackedOutputs:
@@ -106,13 +109,15 @@ class PackedOutputs(Sequence[RolloutOutput]):
         return np.split(flat, np.cumsum(self.lengths)[:-1]) if len(self) else []
 
     def token_lists(self) -> list[list[int]]:
+        if self._outputs is not None:
+            return [o.response_ids for o in self._outputs]
         return [ids.tolist() for ids in self.split(self.token_ids)]
 
     def _list(self) -> list[RolloutOutput]:
         if self._outputs is None:
-            logprobs = [lps.tolist() for lps in self.split(self.logprobs)]
-            self._outputs = [RolloutOutput(p, ids, lps, f, e) for p, ids, lps, f, e in zip(
-                self.prompt_index.tolist(), self.token_lists(), logprobs, self.finish_reasons, self.extras)]
+            ids, logprobs = ([x.tolist() for x in self.split(flat)] for flat in (self.token_ids, self.logprobs))
+            self._outputs = [RolloutOutput(*row) for row in zip(
+                self.prompt_index.tolist(), ids, logprobs, self.finish_reasons, self.extras)]
         return self._outputs
 
 

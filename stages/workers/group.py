@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 _PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE", "CUDA_VISIBLE_DEVICES",
                WORKER_LOG_ENV)
 PLACEMENT_TIMEOUT_S = 120
-# Threads of a GPU worker's torch. On a 64-core, 4-GPU host the GRPO step through the worker took 2.27-2.40 s at
-# 1 or 4 threads a rank, 2.46-2.65 s at 16 (the cores' share), and at N = 1 4.04 s at 64 against 2.3 s
-# (bench/results/2026-11-27-gpu-packed-outputs.md); 4 keeps some parallelism for the batch's scatters.
+# Threads of a GPU worker's torch. On a 64-core, 4-GPU host the GRPO step through the worker took 4.04 s at N = 1 with
+# 64 threads (the cores' share) against 2.30 s with 1, and 16 threads a rank gave 0.90-0.92x the tokens/s of 1 at
+# N = 4; 1 and 4 were within the runs' spread (bench/results/2026-11-27-gpu-packed-outputs.md). 4 keeps some
+# parallelism for the batch's scatters.
 GPU_WORKER_THREADS = 4
 
 
