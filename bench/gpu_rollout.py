@@ -51,9 +51,6 @@ def parse_args():
     p.add_argument("--split-attention", action="store_true",
                    help="also the engine with the split-KV kernel at every batch size (the decode path before "
                         "2026-11-26: rotation kernel, split kernel, combine kernel)")
-    p.add_argument("--prefetch-variants", action="store_true",
-                   help="also the engine without the L2 prefetch of the weights during attention, and with only "
-                        "the o and gate/up weights prefetched")
     p.add_argument("--attention-tiling", nargs="*", default=[], metavar="SPLIT,BLOCK_N,WARPS,STAGES",
                    help="also engines whose decode attention uses these tilings (bench/gpu_decode_kernels.py)")
     return p.parse_args()
@@ -233,9 +230,6 @@ def main() -> None:
         res.attempt("fp8", fp8_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo, ceilings)
     if args.split_attention:
         res.attempt("split_attention", split_engine, res, model, prompts, params, hi + max_tokens, concurrency, lo)
-    if args.prefetch_variants:
-        for label in ("no_prefetch", "prefetch_o_gate_up"):
-            res.attempt(label, prefetch_engine, res, label, model, prompts, params, hi + max_tokens, concurrency, lo)
     for tiling in args.attention_tiling:
         res.attempt(f"tiling_{tiling}", tiled_engine, res, tiling, model, prompts, params, hi + max_tokens,
                     concurrency, lo)
@@ -279,22 +273,6 @@ def split_engine(res, model, prompts, params, max_model_len: int, concurrency: i
         measured_engine(res, "split_attention", model, prompts, params, max_model_len, concurrency, low)
     finally:
         triton_kernels.DIRECT_MIN_PROGRAMS = default
-
-
-def prefetch_engine(res, label: str, model, prompts, params, max_model_len: int, concurrency: int, low: int) -> None:
-    """The engine with no L2 prefetch during attention, or prefetching only layer i's o and gate/up weights."""
-    from stages.rollout import triton_kernels
-    from stages.rollout.cuda_model import Decoder
-
-    default, targets = triton_kernels.L2_PREFETCH, Decoder._after_attention
-    if label == "no_prefetch":
-        triton_kernels.L2_PREFETCH = False
-    else:
-        Decoder._after_attention = lambda self, i: targets(self, i)[:2]
-    try:
-        measured_engine(res, label, model, prompts, params, max_model_len, concurrency, low)
-    finally:
-        triton_kernels.L2_PREFETCH, Decoder._after_attention = default, targets
 
 
 def tiled_engine(res, tiling: str, model, prompts, params, max_model_len: int, concurrency: int, low: int) -> None:
@@ -372,8 +350,7 @@ def summary(res: Results, mean_context: float) -> None:
                   f"{f['logprob_engine_vs_trainer_bf16_mean']:.4f}", ""),
                  ("  fp8 logprob gap to fp32 max / mean",
                   f"{f['logprob_engine_vs_fp32_max']:.3f} / {f['logprob_engine_vs_fp32_mean']:.4f}", "")]
-    for key in [k for k in d if k.startswith("tiling_") or k in ("split_attention", "no_prefetch",
-                                                                   "prefetch_o_gate_up")]:
+    for key in [k for k in d if k.startswith("tiling_") or k == "split_attention"]:
         rows.append((key + " tok/s | decode step ms", f"{d[key].get('tok_s', 0):,.0f} | {d[key].get('step_ms', 0):.3f}",
                      d[key].get("error", "")))
     for key in [k for k in d if k.startswith("variant_")]:

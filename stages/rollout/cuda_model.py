@@ -461,16 +461,7 @@ class Decoder:
         """Rotation (and Qwen3's q/k norms), the K/V write and attention (triton_kernels.decode_step_attention)."""
         w, s = self.weights, self.shape
         return self._triton_attention(qkv, self.cos, self.sin, positions, used, s.num_heads, self.kv[i, 0],
-                                      self.kv[i, 1], self.scale, w.q_norm[i], w.k_norm[i], s.eps,
-                                      prefetch=self._after_attention(i))
-
-    def _after_attention(self, i: int) -> list[torch.Tensor]:
-        """The weights read next, in order: layer i's o, gate/up and down and layer i + 1's qkv (fp8: the
-        quantised ones); the attention kernel pulls them into L2 while its loads of K/V stream."""
-        w = self.weights
-        _, o, gate_up, down = w.projections(i)
-        after = [o, gate_up, down] + ([w.projections(i + 1)[0]] if i + 1 < self.shape.num_layers else [])
-        return [t[0] if isinstance(t, tuple) else t for t in after]
+                                      self.kv[i, 1], self.scale, w.q_norm[i], w.k_norm[i], s.eps)
 
     def _flash_decode(self, i, q, k, v, rows, positions, used):
         """The `groups` query heads of a kv head are run as a 7-token query "sequence" of that kv head (no

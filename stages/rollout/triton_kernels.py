@@ -24,15 +24,12 @@ uniform tensor is written or read: the engine bumps the seed tensor once per ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 
 DIRECT_MIN_PROGRAMS = 128  # (sequence, kv head) pairs from which one program per pair is the faster kernel
-L2_PREFETCH = True  # the direct kernel pulls the next matmuls' weights into L2 (decode_step_attention's prefetch)
 
 
 @triton.jit
@@ -190,27 +187,13 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 @triton.jit
-def _prefetch_l2(P, nbytes, share, shares, BLOCK: tl.constexpr):
-    """Share `share` of `shares` of the 128-byte lines of [P, P + nbytes) requested into L2 with the evict-last
-    policy (kept ahead of streamed data); the program does not wait for them."""
-    base = P.to(tl.pointer_type(tl.uint8))
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, shares)
-    first = share * per
-    end = tl.minimum(first + per, lines)
-    for l0 in range(first, end, BLOCK):
-        line = tl.minimum(l0 + tl.arange(0, BLOCK), end - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [(base + line * 128).to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _direct_attention(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv, stride_cos,
-                      stride_cb, stride_ct, stride_ch, stride_ob, b, kvh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                      GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      QK_NORM: tl.constexpr, KV_EVICT: tl.constexpr):
-    """Pair (b, kv head): rotation, K/V write at position pos, attention over positions [0, pos] (the cached ones
-    block by block, then the new token from registers: no program reads what another writes)."""
+def _decode_direct_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv,
+                          stride_cos, stride_cb, stride_ct, stride_ch, stride_ob, HEADS: tl.constexpr,
+                          KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr):
+    """Program (b, kv head): rotation, K/V write at position pos, attention over positions [0, pos] (the cached
+    ones block by block, then the new token from registers: no program reads what another writes)."""
+    b, kvh = tl.program_id(0), tl.program_id(1)
     pos, d, cos, sin = _position(POS, COS, SIN, b, stride_cos, D)
     row = QKV + b * stride_qkv
     dtype = OUT.dtype.element_ty
@@ -228,8 +211,8 @@ def _direct_attention(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT,
     for n0 in range(0, pos, BLOCK_N):
         valid = n0 + n < pos
         at = pair + (n0 + n)[:, None] * stride_ct + d
-        k = tl.load(K_CACHE + at, mask=valid[:, None], other=0.0, eviction_policy=KV_EVICT)
-        v = tl.load(V_CACHE + at, mask=valid[:, None], other=0.0, eviction_policy=KV_EVICT)
+        k = tl.load(K_CACHE + at, mask=valid[:, None], other=0.0)
+        v = tl.load(V_CACHE + at, mask=valid[:, None], other=0.0)
         m, total, acc = _softmax_update(q, k, v, valid, m, total, acc, scale)
     score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # (GP,): the new token's key
     m_new = tl.maximum(m, score)
@@ -241,59 +224,27 @@ def _direct_attention(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT,
     tl.store(OUT + b * stride_ob + (kvh * GROUPS + g) * D + d, (acc / total[:, None]).to(dtype), mask=g < GROUPS)
 
 
-@triton.jit
-def _decode_direct_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv,
-                          stride_cos, stride_cb, stride_ct, stride_ch, stride_ob, P0, P1, P2, P3, n0, n1, n2, n3,
-                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr,
-                          D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr):
-    """Program (b, kv head) attends (`_direct_attention`). PREFETCH: the grid has one more column of programs,
-    (b, 0), each of which requests its share of up to four weights (P0..P3, n0..n3 bytes) into L2 and ends; the
-    K/V are then loaded evict-first, so that the stream of K/V does not push the weights back out."""
-    b = tl.program_id(0)
-    if PREFETCH:
-        kvh = tl.program_id(1) - 1
-        if kvh < 0:
-            shares = tl.num_programs(0)
-            _prefetch_l2(P0, n0, b, shares, 128)
-            _prefetch_l2(P1, n1, b, shares, 128)
-            _prefetch_l2(P2, n2, b, shares, 128)
-            _prefetch_l2(P3, n3, b, shares, 128)
-        else:
-            _direct_attention(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv,
-                              stride_cos, stride_cb, stride_ct, stride_ch, stride_ob, b, kvh, HEADS, KV_HEADS, GROUPS,
-                              GP, D, BLOCK_N, QK_NORM, "evict_first")
-    else:
-        _direct_attention(QKV, COS, SIN, POS, K_CACHE, V_CACHE, Q_NORM, K_NORM, OUT, eps, scale, stride_qkv,
-                          stride_cos, stride_cb, stride_ct, stride_ch, stride_ob, b, tl.program_id(1), HEADS,
-                          KV_HEADS, GROUPS, GP, D, BLOCK_N, QK_NORM, "")
-
-
 def decode_step_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                           lengths: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                          direct: bool | None = None, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                          direct: bool | None = None) -> torch.Tensor:
     """One decode token per row: qkv (B, (H + 2 H_kv) D) contiguous -> attention output (B, H, D), with the rotated
     k and v written into the caches (>= B, T, H_kv, D) at row b, positions[b]; lengths = positions + 1 (int32).
     cos, sin, q_norm, k_norm: as `rope_write`. direct: one program per (row, kv head) (default: when there are at
-    least DIRECT_MIN_PROGRAMS of them), else `rope_write` and the split kernel (see the module docstring).
-    prefetch: up to four contiguous tensors (the weights of the matmuls that follow) that the direct kernel pulls
-    into L2 while it attends (CUDA only, when L2_PREFETCH; see the module docstring)."""
+    least DIRECT_MIN_PROGRAMS of them), else `rope_write` and the split kernel (see the module docstring)."""
     b, kv_heads, dim = qkv.shape[0], k_cache.shape[2], k_cache.shape[3]
     if not (b * kv_heads >= DIRECT_MIN_PROGRAMS if direct is None else direct):
         q = rope_write(qkv, cos, sin, positions, heads, k_cache, v_cache, q_norm, k_norm, eps)
         return decode_attention(q, k_cache, v_cache, lengths, scale)
     assert qkv.is_contiguous() and k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride()
     assert k_cache.stride(3) == 1
-    targets = [t for t in prefetch if t.is_contiguous()][:4] if L2_PREFETCH and qkv.is_cuda else []
-    sizes = [t.numel() * t.element_size() for t in targets]
-    targets, sizes = targets + [qkv] * (4 - len(targets)), sizes + [0] * (4 - len(sizes))
     groups = heads // kv_heads
     out = torch.empty(b, heads, dim, device=qkv.device, dtype=qkv.dtype)
-    _decode_direct_kernel[(b, kv_heads + (1 if any(sizes) else 0))](
+    _decode_direct_kernel[(b, kv_heads)](
         qkv, cos, sin, positions, k_cache, v_cache, q_norm, k_norm, out, eps, scale, qkv.stride(0), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), *targets, *sizes, HEADS=heads,
-        KV_HEADS=kv_heads, GROUPS=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=64,
-        QK_NORM=q_norm is not None, PREFETCH=any(sizes), num_warps=4)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
+        GROUPS=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=64, QK_NORM=q_norm is not None,
+        num_warps=4)
     return out
 
 
