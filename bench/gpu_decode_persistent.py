@@ -4,9 +4,10 @@
     python3 bench/gpu_decode_persistent.py --out $OUT --per-sm 3 4 --bm 64 --stages 2 3    # more programs a SM
 
 The engine runs a layer's MLP as four kernels: the residual add + RMSNorm (inductor), gate/up (cuBLAS), SiLU x up
-(inductor), down (cuBLAS): ~27 us on an H100, of which the weights' bytes are ~8 us. Each of the step's ~200
-kernels costs a few microseconds however little it does (bench/results/2026-11-28-gpu-decode-l2-prefetch.md).
-Here one launch of one program per SM does the same work in three phases with grid-wide waits between them:
+(inductor), down (cuBLAS): ~28 us on an H100, of which the weights' bytes are ~8 us. The small matmuls cost ~4 us
+whether their weights come from HBM or L2 (bench/gpu_decode_l2.py). Here one launch of 1-4 programs per SM does the
+same work in three phases with grid-wide waits between them (results, slower: 2026-11-28-gpu-decode-l2-persistent-
+layout.md):
 
   0. rows of h + delta: the new residual stream, its RMSNorm (transformers' order of operations), the fp32 output
      zeroed;
