@@ -56,8 +56,8 @@ def main() -> None:
     result = {"machine": machine(), "matmul_us": {}}
     for name, ws in layer.items():
         a = torch.randn(B, x[name], device="cuda").bfloat16()
-        cold = per_call_us([lambda w=w: F.linear(a, w) for w in ws])
-        hot = per_call_us([lambda: F.linear(a, ws[0]) for _ in ws])
+        cold = per_call_us([lambda a=a, w=w: F.linear(a, w) for w in ws])
+        hot = per_call_us([lambda a=a, w=ws[0]: F.linear(a, w) for _ in ws])
         result["matmul_us"][name] = {"cold": cold, "hot": hot}
 
     out = Path(args.out)
