@@ -3,8 +3,8 @@
     python3 bench/gpu_decode_l2.py --out $OUT        # on the GPU machine; writes gpu-decode-l2.json
 
 Each of a layer's four projections through F.linear at M = 256, cold (a CUDA graph over 24 copies of the weight:
-every call reads it from HBM, as in the step) and hot (24 calls on one copy: from L2 after the first); median of 5
-replays, us per call. The attention kernel that prefetched the weights into L2 during the step, measured with this
+every call reads it from HBM, as in the step) and hot (24 calls on one copy: from L2 after the first), and cold
+with the operands swapped (W @ x.T, the output transposed); median of 5 replays, us per call. The attention kernel that prefetched the weights into L2 during the step, measured with this
 bench and not kept, is at commit cc6b4ae (bench/results/2026-11-28-gpu-decode-l2-persistent-layout.md).
 """
 
@@ -58,14 +58,16 @@ def main() -> None:
         a = torch.randn(B, x[name], device="cuda").bfloat16()
         cold = per_call_us([lambda a=a, w=w: F.linear(a, w) for w in ws])
         hot = per_call_us([lambda a=a, w=ws[0]: F.linear(a, w) for _ in ws])
-        result["matmul_us"][name] = {"cold": cold, "hot": hot}
+        # swap AB: (W @ x.T).T, the large dimension on the tiles' long side (cuBLAS picks other kernels)
+        swapped = per_call_us([lambda a=a, w=w: torch.mm(w, a.t()) for w in ws])
+        result["matmul_us"][name] = {"cold": cold, "hot": hot, "cold_swap_ab": swapped}
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-decode-l2.json").write_text(json.dumps(result, indent=1))
-    print(f"{'matmul':<10}{'cold us':>10}{'hot us':>10}")
+    print(f"{'matmul':<10}{'cold us':>10}{'hot us':>10}{'swap AB':>10}")
     for name, r in result["matmul_us"].items():
-        print(f"{name:<10}{r['cold']:>10.2f}{r['hot']:>10.2f}")
+        print(f"{name:<10}{r['cold']:>10.2f}{r['hot']:>10.2f}{r['cold_swap_ab']:>10.2f}")
 
 
 if __name__ == "__main__":
