@@ -119,6 +119,19 @@ def cuda_time(fn, warmup: int = 2, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_seconds(step) -> float:
+    """Median seconds of one replay of a CUDA graph that captures step() (run once before, on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return cuda_time(graph.replay, warmup=2, repeat=5)
+
+
 def measure_ceilings() -> dict:
     """bf16 matmul rate (8192^3, random data) and device copy bandwidth (bytes read + written)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

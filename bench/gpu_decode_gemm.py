@@ -31,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import Results, cuda_time, machine, measure_ceilings  # noqa: E402
+from bench.gpu_common import Results, graph_seconds, machine, measure_ceilings  # noqa: E402
 
 M, HIDDEN, INTER, HEADS, KV_HEADS, D = 256, 896, 4864, 14, 2, 64
 SHAPES = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * D), "o": (HIDDEN, HIDDEN), "down": (INTER, HIDDEN)}
@@ -108,17 +108,7 @@ def copies(k: int, n: int) -> list[torch.Tensor]:
 
 def graph_time(fns) -> float:
     """Seconds per call over one CUDA graph that calls each of fns once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return cuda_time(graph.replay, warmup=2, repeat=5) / len(fns)
+    return graph_seconds(lambda: [fn() for fn in fns]) / len(fns)
 
 
 def rms(h, w):

@@ -20,24 +20,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import cuda_time, machine  # noqa: E402
+from bench.gpu_common import graph_seconds, machine  # noqa: E402
 
 B, HEADS, KV_HEADS, D, HIDDEN, INTER, LAYERS = 256, 14, 2, 64, 896, 4864, 24
 
 
 def per_call_us(fns) -> float:
     """Microseconds per call over one CUDA graph that calls each of fns once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return cuda_time(graph.replay, warmup=2, repeat=5) / len(fns) * 1e6
+    return graph_seconds(lambda: [fn() for fn in fns]) / len(fns) * 1e6
 
 
 def weights(n: int, k: int) -> list[torch.Tensor]:

@@ -20,22 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import cuda_time, machine  # noqa: E402
+from bench.gpu_common import graph_seconds, machine  # noqa: E402
 from stages.rollout.triton_kernels import decode_step_attention  # noqa: E402
 
 B, T, HEADS, KV_HEADS, D, LAYERS = 256, 768, 14, 2, 64, 24
-
-
-def graph_us(step) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return cuda_time(graph.replay, warmup=2, repeat=5) / LAYERS * 1e6
 
 
 def main() -> None:
@@ -58,8 +46,8 @@ def main() -> None:
     same = all(torch.equal(a, b) for a, b in zip(step(engine), step(head_major)))
     result = {"machine": machine(), "outputs_equal": same, "engine_layout_us": [], "head_major_us": []}
     for _ in range(3):
-        result["engine_layout_us"].append(graph_us(lambda: step(engine)))
-        result["head_major_us"].append(graph_us(lambda: step(head_major)))
+        result["engine_layout_us"].append(graph_seconds(lambda: step(engine)) / LAYERS * 1e6)
+        result["head_major_us"].append(graph_seconds(lambda: step(head_major)) / LAYERS * 1e6)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-decode-layout.json").write_text(json.dumps(result, indent=1))

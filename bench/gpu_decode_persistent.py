@@ -33,7 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import cuda_time, machine  # noqa: E402
+from bench.gpu_common import graph_seconds, machine  # noqa: E402
 from stages.rollout.cuda_model import mlp  # noqa: E402
 
 M, HIDDEN, INTER, LAYERS, EPS = 256, 896, 4864, 24, 1e-6
@@ -145,15 +145,7 @@ class PersistentMLP:
 
 def graph_us(step, layers: int) -> float:
     """us per layer of step() (which runs all layers) replayed in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return cuda_time(graph.replay, warmup=2, repeat=5) / layers * 1e6
+    return graph_seconds(step) / layers * 1e6
 
 
 def main() -> None:
