@@ -119,8 +119,8 @@ def cuda_time(fn, warmup: int = 2, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_seconds(step) -> float:
-    """Median seconds of one replay of a CUDA graph that captures step() (run once before, on a side stream)."""
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of step() (run once before, on a side stream: compilation, library workspaces)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -129,7 +129,12 @@ def graph_seconds(step) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return cuda_time(graph.replay, warmup=2, repeat=5)
+    return graph
+
+
+def graph_seconds(step) -> float:
+    """Median seconds of one replay of a CUDA graph that captures step()."""
+    return cuda_time(capture_graph(step).replay, warmup=2, repeat=5)
 
 
 def measure_ceilings() -> dict:
