@@ -139,15 +139,21 @@ def graph_seconds(step) -> float:
 
 def measure_ceilings() -> dict:
     """bf16 matmul rate (8192^3, random data) and device copy bandwidth (bytes read + written)."""
+    mm_s, copy_s = _matmul_seconds(), _copy_seconds()
+    torch.cuda.empty_cache()  # their inputs died with the helpers
+    return {"bf16_matmul_tflops": 2 * 8192**3 / mm_s / 1e12, "copy_tb_s": 2 * 2**30 / copy_s / 1e12}
+
+
+def _matmul_seconds() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_s = cuda_time(lambda: a @ b, warmup=3, repeat=10)
+    return cuda_time(lambda: a @ b, warmup=3, repeat=10)
+
+
+def _copy_seconds() -> float:
     src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
-    copy_s = cuda_time(lambda: dst.copy_(src), warmup=3, repeat=10)
-    del a, b, src, dst
-    torch.cuda.empty_cache()
-    return {"bf16_matmul_tflops": 2 * 8192**3 / mm_s / 1e12, "copy_tb_s": 2 * 2**30 / copy_s / 1e12}
+    return cuda_time(lambda: dst.copy_(src), warmup=3, repeat=10)
 
 
 def machine() -> dict:
@@ -162,7 +168,7 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True)
+                              "--format=csv,noheader"], capture_output=True, text=True, check=False)
         info["nvidia_smi"] = smi.stdout.strip()
     return info
 

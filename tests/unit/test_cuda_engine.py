@@ -18,6 +18,7 @@ from stages.rollout.cuda_engine import CudaRolloutEngine, batch_buckets
 from stages.rollout.prefix_cache import PrefixIndex, PrefixRouter
 from stages.rollout.sampling import restrict, sample_logits
 from tests.tolerances import greedy_margin
+from tests.triton_device import needs_triton, triton_device
 
 VOCAB, EOS, PAD = 384, 2, 3
 # Twice each engine's float32 error: these models' (weights of std 0.2) logprobs are within ~6e-6 of their
@@ -364,24 +365,11 @@ def test_cuda_continuation_in_bf16_near_recomputation(attention):
     assert first_gap.max() < 0.1  # bf16 rounding of K/V made in decode vs in prefill (a wrong position: ~1)
 
 
-def _triton_device() -> str | None:
-    """cuda, or cpu under TRITON_INTERPRET=1 (Triton's interpreter), when triton is installed."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    import os
-
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
-
-
-@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@needs_triton
 def test_triton_decode_attention_equals_reference():
     from stages.rollout.triton_kernels import decode_attention
 
-    dev = _triton_device()
+    dev = triton_device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     q = torch.randn(5, 14, 64, generator=g)
@@ -396,11 +384,11 @@ def test_triton_decode_attention_equals_reference():
         assert (out[b] - ref).norm() / ref.norm() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@needs_triton
 def test_triton_sampler_follows_softmax_and_logprobs():
     from stages.rollout.triton_kernels import sample
 
-    dev = _triton_device()
+    dev = triton_device()
     inv = torch.tensor(1 / 0.7, device=dev)
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)).to(dev) * 2
     tokens, logprobs = sample(logits, inv, torch.tensor(11, device=dev), greedy=True)
@@ -417,7 +405,7 @@ def test_triton_sampler_follows_softmax_and_logprobs():
     assert not torch.equal(again, sample(small, inv, torch.tensor(4, device=dev), False)[0])
 
 
-@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@needs_triton
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", [(14, 2), (7, 1)])  # (7, 1): one rank's share under tensor parallelism
@@ -427,7 +415,7 @@ def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_no
     from stages.rollout.cuda_model import rotate
     from stages.rollout.triton_kernels import decode_step_attention
 
-    dev = _triton_device()
+    dev = triton_device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
     dim, slots, length, groups = 64, 6, 300, heads // kv_heads
@@ -454,7 +442,8 @@ def test_triton_decode_step_attention_equals_rotation_then_softmax(direct, qk_no
         assert (out[b] - ref).norm() / ref.norm() < (2e-2 if dtype == torch.bfloat16 else 1e-5), (b, pos)
 
 
-@pytest.mark.skipif(_triton_device() != "cpu", reason="needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+@pytest.mark.triton
+@pytest.mark.skipif(triton_device() != "cpu", reason="needs Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
 @pytest.mark.parametrize("direct", [False, True])
 def test_triton_decode_path_equals_transformers_in_float32(arch, direct, monkeypatch):
@@ -471,7 +460,7 @@ def test_triton_decode_path_equals_transformers_in_float32(arch, direct, monkeyp
     assert [o.response_ids for o in outs] == [hf_greedy(model, p, 20, -5) for p in batch for _ in range(2)]
 
 
-@pytest.mark.skipif(_triton_device() is None, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@needs_triton
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_triton_rope_write_equals_the_compiled_path(qk_norm):
     """The decode step's fused kernel (rotation, Qwen3's q/k norms, K/V written at each row's position) against
@@ -479,7 +468,7 @@ def test_triton_rope_write_equals_the_compiled_path(qk_norm):
     from stages.rollout.cuda_model import rotate
     from stages.rollout.triton_kernels import rope_write
 
-    dev = _triton_device()
+    dev = triton_device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, positions = 14, 2, 64, torch.tensor([0, 9, 3, 3])

@@ -8,6 +8,7 @@ import torch
 from stages.batch import build_batch
 from stages.model.policy import TokenLogprobs, pack_rows
 from tests.tolerances import assert_close_reordered
+from tests.triton_device import needs_triton, triton_device
 from tests.unit.test_cuda_engine import PAD, tiny_model
 
 
@@ -126,24 +127,25 @@ def test_compiled_packed_training_on_cuda_matches_padded_without_recompiles():
     assert _graph_stats() == (graphs, breaks)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)")
+@needs_triton
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_triton_head_kernels_match_float64(with_entropy):
     from stages.model.head_kernels import head_backward_, head_forward
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = triton_device()
+    g = torch.Generator(device=dev).manual_seed(0)
     n, v, temperature = 37, 10_007, 0.7  # a vocabulary that the kernels' blocks do not divide
-    logits = (torch.randn(n, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    logits = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), device=dev, generator=g)
     logits[0, targets[0]] = 16.0  # a peaked row: 1 - p(target) ~ 1e-2, which bf16 rounding of -p would lose
     z = logits.double() / temperature
     logp = torch.log_softmax(z, -1)
     lp, lse, ent = head_forward(logits, targets, temperature, with_entropy)
     torch.testing.assert_close(lp.double(), logp.gather(-1, targets[:, None])[:, 0], atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse.double(), torch.logsumexp(z, -1), atol=1e-4, rtol=1e-5)
-    expected_ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros(n, dtype=torch.float64, device="cuda")
+    expected_ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros(n, dtype=torch.float64, device=dev)
     torch.testing.assert_close(ent.double(), expected_ent, atol=1e-4, rtol=1e-4)
-    grad = torch.randn(n, device="cuda", generator=g)
+    grad = torch.randn(n, device=dev, generator=g)
     onehot = torch.nn.functional.one_hot(targets, v).double()
     expected = grad.double()[:, None] * (onehot - logp.exp()) / temperature
     out = head_backward_(logits.clone(), targets, lse, grad, temperature)

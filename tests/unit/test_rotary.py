@@ -7,6 +7,7 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 
 from stages.model import rotary
+from tests.triton_device import needs_triton, triton_device
 
 HF_ROTARY = getattr(modeling_qwen2.apply_rotary_pos_emb, "rlpipe_original", modeling_qwen2.apply_rotary_pos_emb)
 
@@ -76,3 +77,15 @@ def test_triton_rotary_matches_float64(d):
     exact = _run(HF_ROTARY, *(x.double() for x in (q, k, cos, sin)))
     for a, b in zip(ours, exact):
         torch.testing.assert_close(a.double(), b, atol=0.02, rtol=0.01)  # float32 math, one bf16 rounding
+
+
+@needs_triton
+@pytest.mark.parametrize("inverse", [False, True])
+def test_triton_rotary_kernel_matches_float64(inverse):
+    """The kernel itself (rotary dispatches to it on CUDA only), forward and the gradient's inverse rotation."""
+    from stages.model.rotary_kernel import rotate
+
+    q, _, cos, sin = _inputs(b=2, t=37, heads=14, kv_heads=2, d=64, dtype=torch.bfloat16, device=triton_device())
+    x = q.detach().transpose(1, 2).contiguous()  # (B, T, heads, D), the op's layout
+    exact = rotary._rotate(x.double(), cos.double(), sin.double(), inverse)
+    torch.testing.assert_close(rotate(x, cos, sin, inverse).double(), exact, atol=0.02, rtol=0.01)
