@@ -29,7 +29,7 @@ $(STAMP): requirements.lock
 demo: venv
 	$(PY) -m flows.post_train recipes/demo.yaml $(ARGS)
 
-# Triton's kernels run on CUDA only, and the CPU venv leaves Triton out (1 GB, unused by the CPU stack).
+# Triton's kernels run on CUDA only, and the CPU venv leaves Triton out (0.6 GB, unused by the CPU stack).
 # `make test` runs them a second time on the CPU under Triton's interpreter, with Triton installed beside the
 # venv (.venv/triton), only when no ARGS narrow the run.
 TRITON := $(VENV)/triton
