@@ -167,7 +167,7 @@ def machine() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid,memory.total,driver_version,clocks.max.sm",
                               "--format=csv,noheader"], capture_output=True, text=True, check=False)
         info["nvidia_smi"] = smi.stdout.strip()
     return info

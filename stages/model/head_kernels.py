@@ -43,7 +43,8 @@ def _head_forward_kernel(LOGITS, TARGETS, LOGPROBS, LSE, ENTROPY, V, stride_row,
         e = tl.exp(z - m_new[:, None])
         s = s * alpha + tl.sum(e, 1)
         if WITH_ENTROPY:
-            t = t * alpha + tl.sum(tl.where(tl.reshape(valid, [1, BLOCK]), e * z, 0.0), 1)
+            # e is 0 on the masked lanes; z there is -inf, so it is zeroed before the product (0 * -inf is nan)
+            t = t * alpha + tl.sum(e * tl.where(tl.reshape(valid, [1, BLOCK]), z, 0.0), 1)
         m = m_new
     lse = m + tl.log(s)
     target = tl.load(TARGETS + row + tl.arange(0, 1))
