@@ -239,10 +239,14 @@ def estimator_param(param: str) -> Convert:
     return apply
 
 
-def loss_mode(name: Any, _given: Given) -> Overrides:
+def loss_mode(name: Any, given: Given) -> Overrides:
     if name not in variant_names(PolicyLoss):
         raise ValueError(f"{name!r} is not implemented here; policy losses: {', '.join(variant_names(PolicyLoss))}")
-    return {"rl.actor.policy_loss": name}
+    out = {"rl.actor.policy_loss": name}
+    if name == "gspo" and not given.is_given("actor_rollout_ref.actor.loss_agg_mode"):
+        # verl's gspo aggregates its policy term with seq-mean-token-mean whatever loss_agg_mode says
+        out["rl.actor.loss_agg_mode"] = "seq-mean-token-mean"
+    return out
 
 
 def loss_param(param: str) -> Convert:

@@ -148,7 +148,8 @@ ROWS = [
         "kl/k1, mse/k2, low_var_kl/k3, abs, '+' forms; verl's full is refused"),
     via(A + "policy_loss.loss_mode", "rl.actor.policy_loss", c.loss_mode,
         "vanilla, gspo, gpg, cispo, clip_cov, kl_cov; verl's sapo, geo_mean are refused; bypass_mode: set "
-        "algorithm.rollout_correction.bypass_mode"),
+        "algorithm.rollout_correction.bypass_mode; gspo without loss_agg_mode also sets "
+        "rl.actor.loss_agg_mode=seq-mean-token-mean (verl's gspo aggregates so)"),
     via(A + "policy_loss.clip_cov_ratio", "rl.actor.policy_loss.clip_cov_ratio", c.loss_param("clip_cov_ratio"),
         "with clip_cov (verl reads it only there)"),
     via(A + "policy_loss.clip_cov_lb", "rl.actor.policy_loss.clip_cov_lb", c.loss_param("clip_cov_lb"),

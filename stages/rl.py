@@ -63,6 +63,7 @@ from stages.rl_data import (
     signal_metrics,
     trajectory_rows,
     turn_rows,
+    varied_rows,
 )
 from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.sft import Checkpoints
@@ -381,13 +382,10 @@ class RLTrainer:
 
     def varied_groups(self, batch: Batch) -> Batch:
         """DAPO dynamic sampling: keep groups whose filter metric is not the same for every sample."""
-        metric = self.rl.algorithm.filter_groups_metric
-        values = {"score": batch.tensors["scores"].tolist(), "seq_reward": batch.tensors["rewards"].tolist()}.get(
-            metric, batch.meta.get("reward_acc", batch.tensors["scores"].tolist()))
-        by_group: dict[str, set] = {}
-        for g, v in zip(batch.meta["group_id"], values):
-            by_group.setdefault(g, set()).add(round(float(v), 6))
-        return batch.select([i for i, g in enumerate(batch.meta["group_id"]) if len(by_group[g]) > 1])
+        metric, scores = self.rl.algorithm.filter_groups_metric, batch.tensors["scores"].tolist()
+        values = {"score": scores, "seq_reward": batch.tensors["rewards"].tolist()}.get(
+            metric, batch.meta.get("reward_acc", scores))
+        return batch.select(varied_rows(batch.meta["group_id"], [float(v) for v in values], scores))
 
     def _start_reward_model(self):
         """The reward model's Ray actor on bundle 0, with one role's share of it (like a critic rank)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 
 import torch
@@ -229,6 +230,26 @@ def preference_batch(batch: Batch, num_ranks: int) -> tuple[Batch, dict[str, flo
     metrics = {"dpo/num_pairs": float(kept), "dpo/num_pairs_dropped": float(num_pairs - kept),
                "dpo/frac_groups_paired": num_pairs / max(len(pairs.preferred), 1)}
     return batch.select(pair_order(pairs)[: 2 * kept]), metrics
+
+
+def varied_rows(group_ids: list, metric: list[float], scores: list[float]) -> list[int]:
+    """DAPO dynamic sampling: the rows of the groups whose filter metric is not the same for every sample.
+
+    As verl: a single-sample group is kept (with rollout.n=1 the filter keeps everything). A NaN metric (a sample
+    whose reward gave no `acc`: it raised, timed out, or its data source returns a plain float) says nothing of
+    the group's spread: it is left out, and a group with no metric left is judged by its scores instead. (A NaN
+    would otherwise make every group look varied: two NaNs are two different members of a set.)"""
+    members: dict = {}
+    for row, g in enumerate(group_ids):
+        members.setdefault(g, []).append(row)
+    kept = set()
+    for g, rows in members.items():
+        values = {round(float(metric[r]), 6) for r in rows if not math.isnan(metric[r])}
+        if not values:
+            values = {round(float(scores[r]), 6) for r in rows}
+        if len(rows) == 1 or len(values) > 1:
+            kept.add(g)
+    return [row for row, g in enumerate(group_ids) if g in kept]
 
 
 def signal_metrics(batches: list[Batch]) -> dict[str, float]:

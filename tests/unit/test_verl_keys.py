@@ -105,7 +105,8 @@ VIA = {
     A + "clip_ratio_low": ([A + "clip_ratio_low=0.1"], {"rl.actor.clip_ratio_low": 0.1}),
     A + "clip_ratio_high": ([A + "clip_ratio_high=0.28"], {"rl.actor.clip_ratio_high": 0.28}),
     A + "kl_loss_type": ([A + "kl_loss_type=k2"], {"rl.actor.kl_loss_type": "k2"}),
-    A + "policy_loss.loss_mode": ([A + "policy_loss.loss_mode=gspo"], {"rl.actor.policy_loss": "gspo"}),
+    A + "policy_loss.loss_mode": ([A + "policy_loss.loss_mode=gspo"],
+                                  {"rl.actor.policy_loss": "gspo", "rl.actor.loss_agg_mode": "seq-mean-token-mean"}),
     A + "policy_loss.clip_cov_ratio": ([A + "policy_loss.loss_mode=clip_cov", A + "policy_loss.clip_cov_ratio=0.001"],
                                       {"rl.actor.policy_loss.clip_cov_ratio": 0.001}),
     A + "policy_loss.clip_cov_lb": ([A + "policy_loss.loss_mode=clip_cov", A + "policy_loss.clip_cov_lb=2.0"],
@@ -354,6 +355,13 @@ def test_lora_fields_follow_the_rank_as_in_verl(tmp_path):
     on = load_config(recipe, translate(recipe, [], [M + "lora_alpha=32"]).overrides).model.lora
     assert (on.rank, on.alpha) == (4, 32)  # LoRA on in the recipe: verl's alpha applies
     assert load_config(recipe, translate(recipe, [], [M + "lora_rank=0"]).overrides).model.lora is None
+
+
+def test_gspo_aggregates_as_verls_unless_the_mode_is_given():
+    # verl's gspo uses seq-mean-token-mean for its policy term whatever loss_agg_mode says
+    assert run([A + "policy_loss.loss_mode=gspo"]).rl.actor.loss_agg_mode == "seq-mean-token-mean"
+    given = run([A + "policy_loss.loss_mode=gspo", A + "loss_agg_mode=token-mean"])
+    assert given.rl.actor.loss_agg_mode == "token-mean"
 
 
 def test_the_tutorial_resolves_to_the_native_config(data, tmp_path):
