@@ -127,6 +127,13 @@ class BatchedEngine:
             future.set_result(_cut(out, max_tokens))
 
 
+def _create_kwargs(tools_kwargs: dict, name: str) -> dict:
+    """`tools_kwargs[name]["create_kwargs"]` without its None values. A parquet struct column has the keys of every
+    row, so a tool or key that only other rows have reads back as None: the tool's own defaults apply then."""
+    kwargs = (tools_kwargs.get(name) or {}).get("create_kwargs") or {}
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:
     """A sample generated with a larger budget than its own, cut to it: the same as stopping there."""
     if len(out.response_ids) <= max_tokens:
@@ -222,8 +229,7 @@ class ToolAgentLoop(AgentLoop):
         state = _State([], [], [], [], [], {"tool/calls": 0.0}, list(sample.messages))
         session = InteractionSession(*pick, opts.interaction_timeout_s, state.metrics, self._warned) if pick else None
         kwargs = (sample.extra_info or {}).get("tools_kwargs") or {}
-        instances = {name: await tool.create(**(kwargs.get(name) or {}).get("create_kwargs", {}))
-                     for name, tool in ctx.tools.items()}
+        instances = {name: await tool.create(**_create_kwargs(kwargs, name)) for name, tool in ctx.tools.items()}
         try:
             if session:
                 await session.start()

@@ -19,6 +19,7 @@ JSON-schema validator (no `pattern`, `minimum`, `oneOf`, `$ref`).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -222,8 +223,16 @@ class BaseTool(ABC):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> ToolResponse:
         """Run one call with validated `parameters`; the text is what the model sees next."""
 
+    own_timeout_s: float | None = None  # a wall-clock limit the tool enforces itself (see tools.calls)
+
+    def slot(self) -> contextlib.AbstractAsyncContextManager:
+        """What a call waits for before its timeout starts (the base class: nothing)."""
+        return contextlib.nullcontext()
+
     async def calc_reward(self, instance_id: str) -> float:
-        """The trajectory-level reward this instance contributes (the base class: its stored `reward`)."""
+        """The trajectory-level reward this instance contributes (the base class: its stored `reward`, 0 unless the
+        tool sets it). The loop adds it to the step rewards `execute` returned, so a tool that also keeps its step
+        rewards here counts them twice."""
         return float(self.instances.get(instance_id, {}).get("reward", 0.0))
 
     async def release(self, instance_id: str) -> None:

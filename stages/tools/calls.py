@@ -12,6 +12,12 @@ The response's metrics carry `error` and `timeout` (0/1) and `latency_s`, which 
 verl-style keys per step: `tool/calls`, `tool/errors`, `tool/timeouts`, `tool/parse_errors`,
 `tool/unknown_tool`, and per tool `tool/<name>/calls|errors|timeouts`, `tool/<name>/latency_s/mean|max`.
 
+The timeout starts once the tool has a slot (`tool.slot()`: the python tool's sandbox runs `max_concurrent`
+programs at a time), so a call that waits for a free process is not cut for the time others ran. A tool that
+enforces its own wall-clock limit (`tool.own_timeout_s`: the sandbox's `timeout_s` and the wait for the kill) gets
+at least that long, so the output so far and the tool's note on the limit reach the model instead of a bare
+timeout error.
+
 A timed-out call is cancelled. A coroutine stops at its next await; a synchronous function running in a
 worker thread (function tools) cannot be stopped and runs to its end in the background, so tools that can
 hang on CPU belong in a subprocess (the sandbox) or a remote server.
@@ -38,7 +44,7 @@ async def run_tool_call(tool: BaseTool, instance_id: str, call: ToolCall, timeou
         tool: The tool named by `call.name`.
         instance_id: From `tool.create` for this trajectory.
         call: The parsed call.
-        timeout_s: Wall-clock limit for `execute`.
+        timeout_s: Wall-clock limit for `execute` (at least `tool.own_timeout_s`), from when it has a slot.
 
     Returns:
         The tool's response with metrics `error`, `timeout` (0.0 or 1.0) and `latency_s` added.
@@ -47,8 +53,10 @@ async def run_tool_call(tool: BaseTool, instance_id: str, call: ToolCall, timeou
     problem = validate_arguments(tool.schema, call.arguments)
     if problem is not None:
         return _failed(problem, start)
+    timeout_s = max(timeout_s, tool.own_timeout_s or 0.0)
     try:
-        response = await asyncio.wait_for(tool.execute(instance_id, call.arguments), timeout_s)
+        async with tool.slot():
+            response = await asyncio.wait_for(tool.execute(instance_id, call.arguments), timeout_s)
     except TimeoutError:
         logger.warning("tool %r timed out after %g s (instance %s)", tool.name, timeout_s, instance_id)
         return _failed(f"error: tool {tool.name!r} timed out after {timeout_s:g} s", start, timeout=True)

@@ -16,8 +16,8 @@ JSON types (`str` string, `int` integer, `float` number, `bool` boolean, `list[X
 value. `additionalProperties` is false, because an unexpected keyword would be a TypeError in the call.
 
 The function may be sync (run in a worker thread, so it does not block the event loop) or async, and
-returns `str`, `(str, reward)` or a `ToolResponse`. Step rewards of an instance add up to its
-`calc_reward`.
+returns `str`, `(str, reward)` or a `ToolResponse`. The reward is a step reward, which the loop adds to the
+trajectory's tool reward; `calc_reward` adds nothing more.
 """
 
 from __future__ import annotations
@@ -66,10 +66,7 @@ class FunctionTool(BaseTool):
             result = await self.fn(**arguments)
         else:
             result = await asyncio.to_thread(self.fn, **arguments)
-        response = _as_response(result, self.name)
-        state = self.instances.setdefault(instance_id, {"create_kwargs": {}, "reward": 0.0})
-        state["reward"] += response.reward
-        return response
+        return _as_response(result, self.name)  # its reward is a step reward: the loop adds it, once
 
 
 def function_tool(fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> FunctionTool:

@@ -97,6 +97,8 @@ def _hermes_call(body: str, index: int) -> ToolCall | str:
         payload = json.loads(body)
     except json.JSONDecodeError as exc:
         return f"{where}: invalid JSON ({exc.msg} at char {exc.pos}): {_snippet(body)}"
+    except RecursionError:  # a degenerate sample's thousand nested brackets
+        return f"{where}: invalid JSON (nested too deeply): {_snippet(body)}"
     if not isinstance(payload, dict):
         return f"{where}: expected a JSON object with 'name' and 'arguments', got {_snippet(body)}"
     name = payload.get("name")
@@ -106,7 +108,7 @@ def _hermes_call(body: str, index: int) -> ToolCall | str:
     if isinstance(arguments, str):  # OpenAI's wire format: the arguments object serialized as a string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return f"{where} ({name}): 'arguments' is a string that is not JSON: {_snippet(payload['arguments'])}"
     if not isinstance(arguments, dict):
         return f"{where} ({name}): 'arguments' must be a JSON object, got {_snippet(json.dumps(arguments))}"

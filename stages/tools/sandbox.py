@@ -179,16 +179,22 @@ class Sandbox:
             (resource.RLIMIT_CORE, 0, 0),
         )
 
+    def slot(self) -> asyncio.Semaphore:
+        """One of `max_concurrent` places to run a program (per event loop)."""
+        return self._semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.config.max_concurrent))
+
     async def run(self, code: str) -> SandboxResult:
         """Run `code` in a fresh process and work dir; waits for a slot when `max_concurrent` are running."""
-        loop = asyncio.get_running_loop()
-        semaphore = self._semaphores.setdefault(loop, asyncio.Semaphore(self.config.max_concurrent))
-        async with semaphore:
-            work = Path(tempfile.mkdtemp(prefix="rlpipe-sandbox-", dir=self.config.work_root))
-            try:
-                return await self._run_in(work, code)
-            finally:
-                shutil.rmtree(work, onerror=_make_removable)
+        async with self.slot():
+            return await self.run_in_slot(code)
+
+    async def run_in_slot(self, code: str) -> SandboxResult:
+        """`run` for a caller that holds a `slot()` already."""
+        work = Path(tempfile.mkdtemp(prefix="rlpipe-sandbox-", dir=self.config.work_root))
+        try:
+            return await self._run_in(work, code)
+        finally:
+            shutil.rmtree(work, onerror=_make_removable)
 
     async def _run_in(self, work: Path, code: str) -> SandboxResult:
         (work / "main.py").write_text(code, encoding="utf-8")
@@ -303,9 +309,14 @@ class PythonTool(BaseTool):
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: ToolSchema | dict | None = None):
         super().__init__(config, tool_schema)
         self.sandbox = Sandbox(SandboxConfig.model_validate(self.config))
+        self.own_timeout_s = self.sandbox.config.timeout_s + KILL_WAIT_S
+
+    def slot(self) -> asyncio.Semaphore:
+        return self.sandbox.slot()
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> ToolResponse:
-        result = await self.sandbox.run(strip_code_fence(str(parameters.get("code", ""))))
+        """Runs the code; the caller (tools.calls.run_tool_call) holds a `slot()`."""
+        result = await self.sandbox.run_in_slot(strip_code_fence(str(parameters.get("code", ""))))
         metrics = {
             "sandbox/timeout": float(result.timed_out),
             "sandbox/truncated": float(result.truncated),

@@ -17,6 +17,7 @@ from stages.model.loading import load_tokenizer, tool_turn_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.tools.base import BaseTool, ToolResponse, ToolSchema
 from stages.tools.calculator import CalculatorTool
+from stages.tools.functions import function_tool
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -219,3 +220,33 @@ def test_tool_rewards_add_to_the_outcome_score(tokenizer, tiny_config):
         scored = Rollout(None, tokenizer, pool).score(prompts, [0], [t])
     assert scored.result.scores == [1.0] and scored.scores == [1.0 + 3.0]
     assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_a_function_tools_step_rewards_count_once(tokenizer):
+    def grade(answer: int) -> tuple[str, float]:
+        """Grade an answer."""
+        return "ok", 1.0
+
+    call = '<tool_call>{"name": "grade", "arguments": {"answer": 4}}</tool_call>'
+    [t], _, _ = run(tokenizer, {0: [call, call, "#### 4"]}, tools={"grade": function_tool(grade)}, max_tokens=500)
+    assert t.tool_reward == 2.0  # two calls of 1.0 (calc_reward adds nothing for a function tool)
+
+
+def test_tools_kwargs_read_back_from_parquet_give_each_tool_its_own_kwargs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.agent.tool_loop import _create_kwargs
+
+    rows = [{"tools_kwargs": {"checker": {"create_kwargs": {"ground_truth": "4", "tolerance": 0.5}}}},
+            {"tools_kwargs": {"checker": {"create_kwargs": {"ground_truth": "5"}}}},
+            {"tools_kwargs": {"checker": {"execute_kwargs": {"verbose": True}}}},
+            {"tools_kwargs": {"search": {"create_kwargs": {"index": "wiki"}}}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    read = [r["tools_kwargs"] for r in pq.read_table(tmp_path / "t.parquet").to_pylist()]
+    # the struct column has every row's keys: what a row lacks reads back as None
+    assert read[1]["checker"]["create_kwargs"]["tolerance"] is None and read[2]["checker"]["create_kwargs"] is None
+    assert [_create_kwargs(r, "checker") for r in read] == [{"ground_truth": "4", "tolerance": 0.5},
+                                                            {"ground_truth": "5"}, {}, {}]
+    assert [_create_kwargs(r, "search") for r in read] == [{}, {}, {}, {"index": "wiki"}]
+    assert _create_kwargs({}, "checker") == {}

@@ -49,6 +49,8 @@ def test_no_calls_leaves_text():
         ('{"name": "a", "arguments": [1, 2]}', "tool call 2 (a): 'arguments' must be a JSON object, got [1, 2]"),
         ('{"name": "a", "arguments": "x=1"}', "tool call 2 (a): 'arguments' is a string that is not JSON: x=1"),
         ('{"name": "a", "arguments": "[1]"}', "tool call 2 (a): 'arguments' must be a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "tool call 2: invalid JSON (nested too deeply)"),  # a repetition loop
+        ('{"name": "a", "arguments": "' + "[" * 100_000 + '"}', "tool call 2 (a): 'arguments' is a string that"),
     ],
 )
 def test_malformed_call_is_an_error_and_others_still_parse(block, error):

@@ -202,11 +202,12 @@ def test_async_function_with_rewards_and_name_override():
 
     async def scenario():
         instance = await tool.create()
-        texts = [(await run_tool_call(tool, instance, ToolCall("grade", {"answer": a}), 5)).text for a in (1, 42)]
-        return texts, await tool.calc_reward(instance)
+        responses = [await run_tool_call(tool, instance, ToolCall("grade", {"answer": a}), 5) for a in (1, 42)]
+        return responses, await tool.calc_reward(instance)
 
-    texts, reward = run(scenario())
-    assert texts == ["wrong", "correct"] and reward == 0.5  # -0.5 + 1.0
+    responses, reward = run(scenario())
+    assert [(r.text, r.reward) for r in responses] == [("wrong", -0.5), ("correct", 1.0)]
+    assert reward == 0.0  # the step rewards count once, through the loop (calc_reward adds nothing more)
 
 
 def test_function_returning_a_bad_type_is_an_error_text():

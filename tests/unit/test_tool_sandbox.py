@@ -249,12 +249,31 @@ def test_python_tool_through_run_tool_call():
     assert hung.metrics["error"] == 0.0  # the tool worked: the code was too slow
 
 
+def test_a_call_waiting_for_a_sandbox_slot_is_not_timed_out_for_it():
+    # 4 calls of 0.5 s on 2 slots under a 0.8 s call timeout: the last two wait 0.5 s, then run 0.5 s
+    tool = PythonTool({**FAST, "max_concurrent": 2})
+    call = ToolCall("python", {"code": "import time\ntime.sleep(0.5)\nprint('done')"})
+
+    async def four():
+        return await asyncio.gather(*[run_tool_call(tool, "i", call, timeout_s=0.8) for _ in range(4)])
+
+    assert [r.text for r in asyncio.run(four())] == ["done\n"] * 4
+
+
+def test_the_sandboxs_own_limit_wins_over_a_shorter_call_timeout():
+    # the program's output so far and the sandbox's note reach the model, not a bare timeout error
+    tool = PythonTool({"timeout_s": 0.5})
+    call = ToolCall("python", {"code": "import time\nprint('started', flush=True)\ntime.sleep(9)"})
+    response = asyncio.run(run_tool_call(tool, "i", call, timeout_s=0.3))
+    assert response.text == "started\n[timeout: killed after 0.5 s]" and response.metrics["timeout"] == 0.0
+
+
 def test_cancelled_run_kills_the_process(tmp_path):
-    """A caller's timeout shorter than the sandbox's cancels the run: the process must not live on."""
+    """A caller that gives up on the call (a cancelled rollout) cancels the run: the process must not live on."""
     tool = PythonTool({"timeout_s": 30, "work_root": str(tmp_path)})
     call = ToolCall("python", {"code": "import time\ntime.sleep(30)"})
-    response = asyncio.run(run_tool_call(tool, "i", call, timeout_s=0.5))
-    assert response.text == "error: tool 'python' timed out after 0.5 s"
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(run_tool_call(tool, "i", call, timeout_s=60), 0.5))
     time.sleep(0.2)
     assert _processes_in(tmp_path) == [] and list(tmp_path.iterdir()) == []
 
