@@ -105,13 +105,16 @@ def tool_turn_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> l
 
 def user_turn_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of one user message plus the next assistant header, rendered after an assistant turn as
-    `tool_turn_ids` renders tool messages (a simulated user's reply in a multi-turn rollout)."""
-    return _turn_delta_ids(tokenizer, [{"role": "user", "content": text}])
+    `tool_turn_ids` renders tool messages (a simulated user's reply in a multi-turn rollout). Rendered after a
+    user and an assistant turn, so templates that insist on alternating roles (Gemma's, Llama 2's) accept it."""
+    return _turn_delta_ids(tokenizer, [{"role": "user", "content": text}],
+                           [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
 
 
-def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                    base: list[dict] | None = None) -> list[int]:
     """What the chat template appends for `messages` (and the next assistant header) after a finished turn."""
-    base = [{"role": "user", "content": "x"}]
+    base = base or [{"role": "user", "content": "x"}]
     before = tokenizer.apply_chat_template(base, tokenize=False)
     after = tokenizer.apply_chat_template(base + messages, add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):

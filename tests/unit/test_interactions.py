@@ -5,6 +5,7 @@ trajectory's layout can be checked by hand."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 
 import pytest
@@ -61,6 +62,18 @@ def run(tokenizer, scripts: dict[int, list[str]], interactions: dict, kwargs: di
     return ToolAgentLoop().run_batch(ctx, samples), script, prompts
 
 
+def alternating(tokenizer):
+    """The tokenizer with a Gemma-style template, which refuses two user turns in a row."""
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = (
+        "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+    return other
+
+
 def test_model_user_model_layout_by_hand(tokenizer):
     """model turn (wrong) | user reply | model turn (right): the right answer ends the conversation."""
     user = Recording({"name": "gsm8k"})
@@ -72,6 +85,8 @@ def test_model_user_model_layout_by_hand(tokenizer):
     turn1, turn2 = ids("#### 84") + [eos], ids("#### 85") + [eos]
     reply = ids(f"\n<|im_start|>user\n{WRONG}<|im_end|>\n<|im_start|>assistant\n")
     assert user_turn_ids(tokenizer, WRONG) == reply
+    assert user_turn_ids(alternating(tokenizer), WRONG) == ids(f"<start_of_turn>user\n{WRONG}<end_of_turn>\n"
+                                                              "<start_of_turn>model\n")
     assert t.response_ids == turn1 + reply + turn2
     assert t.response_mask == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
     assert t.logprobs == [-0.25] * len(turn1) + [0.0] * len(reply) + [-0.25] * len(turn2)
