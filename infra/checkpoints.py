@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from infra import lease
 from infra.artifacts import ArtifactRef, Manifest
 from infra.store import ArtifactStore, CorruptArtifactError
 
@@ -69,6 +70,7 @@ class StoreCheckpoints:
         return None
 
     def save(self, step: int, local_dir: Path) -> None:
+        lease.check(self.name)  # another flow run took this stage run over: its checkpoints are not ours to prune
         ref = self.store.put_dir("checkpoint", self.name, local_dir, inputs=self.inputs,
                                  metadata={**self.metadata, "step": step})
         logger.info("saved checkpoint %s (step %d)", ref, step)

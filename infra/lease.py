@@ -6,10 +6,18 @@ train the same run, in the same checkpoints and trajectory partitions. The first
 `HEARTBEAT_S` seconds from a thread; the second waits, saying so once, and takes it when the first is done
 (then its stage resumes from the first's final checkpoint: no work is repeated) or when the holder's
 heartbeat is older than `TTL_S` or its process is gone on this host (a killed flow: its lease is stale).
+
+Taking over a stale lease deletes it and creates a new one. Two waiters that read the same stale record must not
+both do that (the second would delete the first's fresh lease): a taker first creates the marker
+`leases/<name>.json.taken-<hash of the record>` exclusively, and deletes the lease only if it still holds the
+record it read. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM) and whose lease was
+taken over finds another owner at its next renewal: it writes nothing more to the lease, and `check(name)`, which
+the stage's checkpoints and tables call before they write, raises `LeaseLost`, so two flows never train one run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -29,13 +37,29 @@ HEARTBEAT_S = 20.0
 POLL_S = 5.0
 
 
+_LOST: set[str] = set()  # names of leases this process held and another flow run took over
+
+
+class LeaseLost(RuntimeError):
+    """Another flow run took over this stage run's lease: this one must stop writing."""
+
+
+def check(name: str) -> None:
+    """Raise `LeaseLost` when this process held the lease `name` and another flow run has taken it over."""
+    if name in _LOST:
+        raise LeaseLost(f"leases/{name}.json was taken over by another flow run after this one's heartbeat "
+                        f"stalled for over {TTL_S:.0f} s; that run trains {name} now, so this one stops here "
+                        "without writing (its steps are redone there from the last checkpoint)")
+
+
 @contextmanager
 def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
     """Hold leases/<name>.json while the block runs; waits for a live holder to finish first."""
     path = f"leases/{name}.json"
     _acquire(store, path, owner)
+    _LOST.discard(name)
     stop = threading.Event()
-    beat = threading.Thread(target=_renew, args=(store, path, owner, stop), daemon=True, name=f"lease-{name}")
+    beat = threading.Thread(target=_renew, args=(store, path, name, owner, stop), daemon=True, name=f"lease-{name}")
     beat.start()
     failed = True
     try:
@@ -45,13 +69,14 @@ def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
         stop.set()
         beat.join()
         try:
-            if (_read(store, path) or {}).get("owner") == owner:
+            if name not in _LOST and (_read(store, path) or {}).get("owner") == owner:
                 store.delete_table_file(path)
         except StoreError as exc:
             if not failed:
                 raise
             # the stage's own error (often the same storage fault) is the one to report
             logger.warning("%s: could not release the lease (%s); it goes stale in %.0f s", path, exc, TTL_S)
+        _LOST.discard(name)
 
 
 def _record(owner: str) -> bytes:
@@ -60,13 +85,25 @@ def _record(owner: str) -> bytes:
                        "renewed": time.time()}).encode()
 
 
-def _read(store: ArtifactStore, path: str) -> dict | None:
+def _read_raw(store: ArtifactStore, path: str) -> bytes | None:
     try:
-        return json.loads(store.read_bytes(path))
+        return store.read_bytes(path)
     except FileNotFoundError:
         return None
-    except ValueError:  # unreadable: treat as a holder of unknown age, stale after TTL_S from now
-        return {"owner": "unknown", "renewed": time.time()}
+
+
+def _parse(raw: bytes, first_seen: float) -> dict:
+    """The record; an unreadable one (a torn write) counts as renewed when this process first saw it."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    return record if isinstance(record, dict) else {"owner": "unknown (unreadable lease)", "renewed": first_seen}
+
+
+def _read(store: ArtifactStore, path: str) -> dict | None:
+    raw = _read_raw(store, path)
+    return None if raw is None else _parse(raw, time.time())
 
 
 def is_stale(record: dict) -> bool:
@@ -81,28 +118,48 @@ def is_stale(record: dict) -> bool:
 
 
 def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
-    said = False
+    said, seen = False, {}  # seen: raw record -> when this process first read it
     while not store.create_exclusive(path, _record(owner)):
-        record = _read(store, path)
-        if record is None:
+        raw = _read_raw(store, path)
+        if raw is None:
             continue  # released between our two calls
+        record = _parse(raw, seen.setdefault(raw, time.time()))
         if record.get("owner") == owner or is_stale(record):
             logger.warning("%s: taking over the lease of %s (its holder is gone)", path, record.get("owner"))
-            store.delete_table_file(path)
+            _take_over(store, path, raw)
             continue
         if not said:
             logger.warning("%s is held by flow run %s (pid %s on %s): the same stage run is being trained there; "
-                           "waiting for it to finish, then this one goes on from its result", path,
-                           record.get("owner"), record.get("pid"), record.get("host"))
+                           "waiting for it to finish, then this one goes on from its result (a lease that is not "
+                           "renewed goes stale in %.0f s)", path, record.get("owner"), record.get("pid"),
+                           record.get("host"), TTL_S)
             said = True
         time.sleep(POLL_S)
     if said:
         logger.warning("%s: lease taken, going on", path)
 
 
-def _renew(store: ArtifactStore, path: str, owner: str, stop: threading.Event) -> None:
+def _take_over(store: ArtifactStore, path: str, raw: bytes) -> None:
+    """Delete the stale lease `raw` unless another waiter is taking it over or has done so already."""
+    marker = f"{path}.taken-{hashlib.sha256(raw).hexdigest()[:16]}"
+    if not store.create_exclusive(marker, b"{}"):
+        return  # another waiter is taking over this record: the next create_exclusive decides
+    try:
+        if _read_raw(store, path) == raw:
+            store.delete_table_file(path)
+    finally:
+        store.delete_table_file(marker)
+
+
+def _renew(store: ArtifactStore, path: str, name: str, owner: str, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
         try:
+            holder = (_read(store, path) or {}).get("owner")
+            if holder != owner:
+                _LOST.add(name)
+                logger.error("%s: the lease is now held by %s (this run's heartbeat stalled for over %.0f s); "
+                             "this run stops writing %s", path, holder or "nobody", TTL_S, name)
+                return
             store.write_bytes(path, _record(owner))
         except (OSError, StoreError) as exc:  # the stage meets the store's error itself; keep renewing meanwhile
             logger.warning("%s: could not renew the lease (%s)", path, exc)

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from infra import lease
 from infra.store import ArtifactStore
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class RunTables:
     def write_turns(self, step: int, rows: list[dict]) -> None:
         """One row per turn of each multi-turn sample (TURN_COLUMNS); no file for single-turn steps (an earlier
         attempt's file of a redone step is removed, as for the other tables)."""
+        lease.check(self.run_id)
         folder = partition_dir("turns", self.run_id, step=step)
         if rows:  # typed: a step whose tool_name or arguments are all None must not make them DOUBLE
             self._write(folder, rows, TURN_COLUMNS)
@@ -167,6 +169,7 @@ class RunTables:
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"step={step!r}: expected an integer (the last checkpointed step)")
+        lease.check(self.run_id)
         relpaths = [f"{partition_dir(table, self.run_id, step=s)}/{PART}"
                     for table in STEP_TABLES for s in self.steps(table) if s > step]
         if relpaths:
@@ -175,6 +178,7 @@ class RunTables:
         return len(relpaths)
 
     def _write(self, folder: str, rows: list[dict], types: dict[str, str] | None = None) -> None:
+        lease.check(self.run_id)
         relpath = f"{folder}/{PART}"
         if not rows:
             # A parquet file needs columns; "no rows" for this step = no file, replacing any earlier one.

@@ -3,6 +3,7 @@ a dead or silent holder's lease is taken over; `create_exclusive` is atomic on a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -90,3 +91,70 @@ def test_a_failing_release_does_not_hide_the_stages_error(tmp_path, monkeypatch,
     with pytest.raises(StoreError, match="reading leases/rl-g.json"):  # without a stage error, it is the error
         with lease.stage_lease(store, "rl-g", "flow-6"):
             monkeypatch.setattr(store, "read_bytes", unreachable)
+
+
+def _stale(owner: str) -> bytes:
+    record = json.loads(lease._record(owner))
+    record["renewed"] -= lease.TTL_S + 1
+    return json.dumps(record).encode()
+
+
+def test_a_stale_lease_is_taken_over_once_when_two_waiters_read_it(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    path, stale = "leases/rl-t.json", _stale("gone")
+    store.write_bytes(path, stale)
+    lease._take_over(store, path, stale)  # waiter A deletes the stale record and creates its own
+    assert store.create_exclusive(path, b'{"owner": "A"}')
+    lease._take_over(store, path, stale)  # waiter B read the same stale record before: it must not delete A's
+    assert store.read_bytes(path) == b'{"owner": "A"}'
+    store.write_bytes(path, stale)
+    assert store.create_exclusive(f"{path}.taken-{hashlib.sha256(stale).hexdigest()[:16]}", b"{}")
+    lease._take_over(store, path, stale)  # A is taking it over right now: B leaves it to A
+    assert store.read_bytes(path) == stale
+
+
+def test_racing_waiters_never_hold_a_stale_lease_together(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    for trial in range(40):
+        name = f"rl-race{trial}"
+        store.write_bytes(f"leases/{name}.json", _stale("gone"))
+        inside, both, start = [], [], threading.Barrier(2)
+
+        def waiter(owner, name=name, inside=inside, both=both, start=start):
+            start.wait()
+            with lease.stage_lease(store, name, owner):
+                inside.append(owner)
+                both.append(len(inside))
+                time.sleep(0.01)
+                inside.remove(owner)
+
+        threads = [threading.Thread(target=waiter, args=(o,)) for o in ("A", "B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert sorted(both) == [1, 1], trial  # each got in, one after the other
+
+
+def test_a_holder_whose_lease_was_taken_over_stops_writing(tmp_path, caplog):
+    store = ArtifactStore(str(tmp_path / "store"))
+    with lease.stage_lease(store, "rl-o", "flow-7"):
+        lease.check("rl-o")  # held: nothing to say
+        store.write_bytes("leases/rl-o.json", json.dumps({"owner": "flow-8", "renewed": time.time()}).encode())
+        time.sleep(0.3)  # a few heartbeats
+        assert json.loads(store.read_bytes("leases/rl-o.json"))["owner"] == "flow-8"  # not overwritten
+        with pytest.raises(lease.LeaseLost, match=r"leases/rl-o.json was taken over by another flow run"):
+            lease.check("rl-o")
+    assert json.loads(store.read_bytes("leases/rl-o.json"))["owner"] == "flow-8"  # not released either
+    assert "the lease is now held by flow-8" in caplog.text
+    lease.check("rl-o")  # the block is over: the name is free for a later stage_lease
+
+
+def test_an_unreadable_lease_goes_stale(tmp_path, monkeypatch):
+    """A torn or empty lease file (a power loss mid-write) must not block every waiter forever."""
+    monkeypatch.setattr(lease, "TTL_S", 0.2)
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.write_bytes("leases/sft-u.json", b"")
+    with lease.stage_lease(store, "sft-u", "flow-9"):
+        assert json.loads(store.read_bytes("leases/sft-u.json"))["owner"] == "flow-9"
+    assert store.glob("leases/*") == []
