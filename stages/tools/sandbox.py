@@ -6,6 +6,8 @@ One call = one process, started with asyncio (calls run concurrently, at most `m
 
 - Limits (`preexec_fn`, kernel-enforced): RLIMIT_CPU (SIGXCPU at `cpu_time_s`), RLIMIT_AS (`memory_mb`: a
   MemoryError in the code), RLIMIT_FSIZE (`file_size_mb`: "File too large"), RLIMIT_NOFILE, RLIMIT_CORE = 0;
+  the work dir's total size is polled every 0.1 s and the group killed past `disk_mb` (RLIMIT_FSIZE bounds
+  one file, not how many; the work dir shares the trainer's disk);
   RLIMIT_NPROC is set by the prelude (see there why). `start_new_session`: the process leads its own group,
   and a wall-clock timeout (`timeout_s`) SIGKILLs the whole group.
 - Output: stdout and stderr through one pipe (their order kept), read in chunks; past `output_bytes` the
@@ -27,7 +29,8 @@ that the audit hook refuses Python-level writes outside the work dir. `run_as_ui
 user (needs a `python_executable` that user can read, e.g. /usr/bin/python3 when the venv lives in /root).
 
 The tool's text is the output, then one line per abnormal end: `[timeout: killed after 10 s]`,
-`[output truncated at 65536 bytes; process killed]`, `[killed by SIGXCPU: CPU time limit of 10 s]`,
+`[output truncated at 65536 bytes; process killed]`, `[disk limit: wrote more than 256 MiB; process killed]`,
+`[killed by SIGXCPU: CPU time limit of 10 s]`,
 `[exit code 3]`. User code errors are text, never exceptions.
 """
 
@@ -60,6 +63,7 @@ logger = logging.getLogger(__name__)
 PRELUDE = (Path(__file__).parent / "sandbox_prelude.py").read_text(encoding="utf-8")
 CHUNK_BYTES = 65536
 KILL_WAIT_S = 5.0  # after SIGKILL a process is gone at once unless stuck in the kernel
+DISK_POLL_S = 0.1
 _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n?```\s*$", re.DOTALL)
 
 
@@ -73,6 +77,7 @@ class SandboxConfig(BaseModel):
     memory_mb: int = Field(default=512, ge=64, description="Address space (RLIMIT_AS) in MiB.")
     output_bytes: int = Field(default=65536, ge=256, description="Bytes of stdout+stderr kept; then killed.")
     file_size_mb: int = Field(default=16, ge=0, description="Largest file the code may write (RLIMIT_FSIZE).")
+    disk_mb: int = Field(default=256, ge=1, description="All files in the work dir together; then killed.")
     max_processes: int = Field(
         default=16, ge=1, description="RLIMIT_NPROC (threads count too; root is exempt). Counted per namespace; "
         "with network='audit' it counts all processes of the uid, the trainer's included.")
@@ -96,14 +101,17 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     duration_s: float
+    over_disk: bool = False
 
     def text(self, config: SandboxConfig) -> str:
         notes = []
         if self.truncated:
             notes.append(f"[output truncated at {config.output_bytes} bytes; process killed]")
+        if self.over_disk:
+            notes.append(f"[disk limit: wrote more than {config.disk_mb} MiB; process killed]")
         if self.timed_out:
             notes.append(f"[timeout: killed after {config.timeout_s:g} s]")
-        elif self.exit_code and not self.truncated:  # after a truncation we killed it: the status says nothing
+        elif self.exit_code and not (self.truncated or self.over_disk):  # we killed it: the status says nothing
             notes.append(_exit_note(self.exit_code, config))
         if "MemoryError" in self.output[-300:]:
             notes.append(f"[memory limit: {config.memory_mb} MiB]")
@@ -210,7 +218,7 @@ class Sandbox:
             user=uid, group=uid, extra_groups=[] if uid is not None else None,
         )
         try:
-            output, truncated, timed_out = await self._collect(process, start)
+            output, truncated, timed_out, over_disk = await self._collect(process, start, work)
         except BaseException:  # cancelled (the caller's timeout): kill now, nothing may be awaited any more
             _kill_group(process)
             _close(process)
@@ -219,10 +227,12 @@ class Sandbox:
         await _drain(process)  # before wait(): asyncio's wait() also waits for the pipe to close
         exit_code = await asyncio.wait_for(process.wait(), KILL_WAIT_S)
         text = output.decode("utf-8", errors="replace")
-        return SandboxResult(text, exit_code, timed_out, truncated, time.monotonic() - start)
+        return SandboxResult(text, exit_code, timed_out, truncated, time.monotonic() - start, over_disk)
 
-    async def _collect(self, process: asyncio.subprocess.Process, start: float) -> tuple[bytes, bool, bool]:
-        """(output, truncated, timed out): read until EOF and exit, the byte cap, or the deadline."""
+    async def _collect(self, process: asyncio.subprocess.Process, start: float,
+                       work: Path) -> tuple[bytes, bool, bool, bool]:
+        """(output, truncated, timed out, over disk): read until EOF and exit, the byte cap, the work dir's size
+        cap, or the deadline."""
         chunks: list[bytes] = []
         limit = self.config.output_bytes
 
@@ -238,12 +248,34 @@ class Sandbox:
             await process.wait()  # EOF comes first when the code closes stdout and keeps running
             return False
 
+        async def disk_full() -> None:
+            while await asyncio.to_thread(_tree_bytes, work) <= self.config.disk_mb * 2**20:
+                await asyncio.sleep(DISK_POLL_S)
+
         remaining = self.config.timeout_s - (time.monotonic() - start)
+        reader, watcher = asyncio.ensure_future(read_until_exit()), asyncio.ensure_future(disk_full())
         try:
-            truncated = await asyncio.wait_for(read_until_exit(), max(remaining, 0.001))
-        except TimeoutError:
-            return b"".join(chunks), False, True
-        return b"".join(chunks), truncated, False
+            done, _ = await asyncio.wait({reader, watcher}, timeout=max(remaining, 0.001),
+                                        return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, watcher):
+                task.cancel()
+        output = b"".join(chunks)
+        if reader in done:
+            return output, reader.result(), False, False
+        return output, False, not done, bool(done)
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes of the files under root (what the code could not read is counted as 0)."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:

@@ -153,6 +153,14 @@ def test_file_size_limit():
     assert "OSError: [Errno 27] File too large" in text
 
 
+def test_disk_limit_counts_all_files():
+    code = ("import time\nfor i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)\n"
+            "print('written', flush=True)\ntime.sleep(30)")
+    text, _ = run_code(code, file_size_mb=1, disk_mb=4, timeout_s=20)
+    assert text == "[disk limit: wrote more than 4 MiB; process killed]" or text == (
+        "written\n[disk limit: wrote more than 4 MiB; process killed]")
+
+
 def test_writes_outside_the_work_dir_refused(tmp_path):
     target = tmp_path / "escape.txt"
     for code in (f"open({str(target)!r}, 'w').write('x')",
