@@ -65,15 +65,41 @@ def _fmt(v: float) -> str:
 
 
 class JsonlBackend:
-    """Appends `{"step": s, **metrics}` lines to `metrics.jsonl` in the run folder."""
+    """Appends `{"step": s, **metrics}` lines to `metrics.jsonl` in the run folder.
+
+    A step at or before the file's last one (a retried task resuming from its checkpoint in the same run folder)
+    first drops the lines of that step and later ones, so each step is in the file once, as in the tables."""
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        lines = self._lines()
+        self.last_step = max((s for s, _ in lines), default=None)
+        if path.exists() and path.read_text() != "".join(line + "\n" for _, line in lines):
+            self._rewrite(lines)  # a line cut by a kill: the next one must start on its own line
+
+    def _rewrite(self, lines: list[tuple[int, str]]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for _, line in lines))
+        tmp.replace(self.path)
+
+    def _lines(self) -> list[tuple[int, str]]:
+        if not self.path.exists():
+            return []
+        lines = []
+        for line in self.path.read_text().splitlines():
+            try:
+                lines.append((int(json.loads(line)["step"]), line))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+        return lines
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.last_step is not None and step <= self.last_step:
+            self._rewrite([(s, line) for s, line in self._lines() if s < step])
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.last_step = step
 
     def finish(self) -> None:
         pass

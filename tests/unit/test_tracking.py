@@ -154,3 +154,21 @@ def test_dashboard_queries_only_metrics_the_exporter_serves(tmp_path):
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     assert wanted <= set(re.findall(r"\brlpipe_\w+", exprs))
     assert "rlpipe_val_acc_" in exprs and "rlpipe_timing_s_" in exprs
+
+
+def test_a_resumed_run_rewrites_its_steps_in_the_jsonl_file_once(tmp_path):
+    from infra.tracking import JsonlBackend
+
+    path = tmp_path / "rl.metrics.jsonl"
+    first = JsonlBackend(path)
+    for step in (0, 1, 2, 3):
+        first.log({"loss": float(step)}, step)
+    path.write_text(path.read_text() + '{"step": 4, "lo')  # a kill mid-line
+    retry = JsonlBackend(path)  # a retried task in the same run folder resumes from its checkpoint of step 2
+    for step in (3, 4):
+        retry.log({"loss": 10.0 + step}, step)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(d["step"], d["loss"]) for d in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    path.write_text(path.read_text() + '{"step": 5, "lo')
+    JsonlBackend(path).log({"loss": 16.0}, 6)  # resumed past the cut line: it goes, the new line stands alone
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3, 4, 6]
