@@ -1,12 +1,14 @@
 """Prefect tasks: thin wrappers that run a stage, version its outputs in the store and cache the result.
 
 Each task's cache key is the hash of the config sections the stage reads plus the versions of its input
-artifacts (and the store root), so changing an unrelated section (say `evaluate`) does not re-run SFT, plus
-the content of every local file the stage reads through a path (data files, a reward function file, a local
-model folder: `content_digest`), so replacing a file behind the same path is a cache miss.
+artifacts (and the store as resolved: `store_identity`), so changing an unrelated section (say `evaluate`) does not
+re-run SFT, plus the content of every local file the stage reads through a path (data files, a reward function
+file, a local model folder: `content_digest`), so replacing a file behind the same path is a cache miss.
 Tasks return artifact references as strings (`kind/name@version`); results persist as JSON under
-PREFECT_RESULTS_LOCAL_STORAGE_PATH. Code changes do not invalidate the cache (every manifest records
-the code version); run with `--refresh-cache` to force a re-run.
+PREFECT_RESULTS_LOCAL_STORAGE_PATH. A cached result that names an artifact the store no longer holds (deleted as
+corrupt, or by hand) is a cache miss (`live_key`). Code changes do not invalidate the cache (every manifest records
+the code version); run with `--refresh-cache` to force a re-run: every stage runs again, SFT and RL from step 0
+(`RefreshedCheckpoints`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,11 +30,14 @@ from infra import prefect_env
 prefect_env.configure()
 
 from prefect import get_run_logger, task  # noqa: E402
+from prefect.context import TaskRunContext  # noqa: E402
+from prefect.exceptions import MissingContextError  # noqa: E402
+from prefect.results import ResultStore  # noqa: E402
 from prefect.settings import get_current_settings  # noqa: E402
 
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
-from infra.config import Config, apply_override, config_hash  # noqa: E402
+from infra.config import Config, StorageConfig, apply_override, config_hash  # noqa: E402
 from infra.lease import stage_lease  # noqa: E402
 from infra.orphans import SCRATCH  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
@@ -54,15 +61,71 @@ class RunContext:
 def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
     """A Prefect cache_key_fn over the stage's config sections and its input artifact refs."""
 
-    def key_fn(_context, params: dict) -> str:
+    def key_fn(context: TaskRunContext | None, params: dict) -> str:
         cfg: Config = params["cfg"]
-        return f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
+        key = f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
+        return live_key(key, cfg, context.result_store) if context else key  # None: called outside a task run
 
     return key_fn
 
 
 def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[str]) -> str:
-    return config_hash(*sections(cfg), *map(_input_identity, inputs), cfg.storage.root)
+    return config_hash(*sections(cfg), *map(_input_identity, inputs), *store_identity(cfg.storage))
+
+
+def store_identity(storage: StorageConfig) -> tuple[str, ...]:
+    """The store as ArtifactStore resolves `storage.root`: a local root as an absolute path (a relative root is
+    relative to the working directory, while PREFECT_HOME and its cached results are not), a URL as given, plus
+    the S3 endpoint when one is set (the same bucket name on two servers is two stores)."""
+    root = storage.root
+    if "://" in root and not root.startswith("file://"):
+        endpoint = storage.endpoint_url or (os.environ.get("AWS_ENDPOINT_URL") if root.startswith("s3://") else None)
+        return (root.rstrip("/"), endpoint) if endpoint else (root.rstrip("/"),)
+    return (Path(root.removeprefix("file://")).expanduser().resolve().as_posix(),)
+
+
+def live_key(key: str, cfg: Config, results: ResultStore) -> str:
+    """`key`, unless the result cached under it in `results` (the task run's result store) names an artifact that the
+    store no longer holds (deleted as corrupt, removed by hand): then a key derived from it and from that result,
+    which Prefect has not cached (a miss: the task runs again and caches its result there) or under which it cached
+    the re-run's result. Costs, only where a result is cached, one read of it and one manifest read per artifact ref
+    in it."""
+    base, store = key, None
+    while results.exists(key):
+        try:
+            value = results.read(key).result
+        except Exception:  # noqa: BLE001 - an unreadable record: Prefect's own read of it decides, as before
+            return key
+        store = store or open_store(cfg)
+        missing = [str(ref) for ref in _artifact_refs(value) if not store.exists(ref)]
+        if not missing:
+            return key
+        if key == base:  # once: a later link of the chain names the same artifact when its content is the same
+            _logger().warning("the cached result of %s names %s, which the store at %s no longer holds: running the "
+                              "task again", key, ", ".join(missing), cfg.storage.root)
+        key = f"{base}-{hashlib.sha256(json.dumps([key, value], default=str).encode()).hexdigest()[:16]}"
+    return key
+
+
+def _artifact_refs(value: object) -> list[ArtifactRef]:
+    """The artifact refs in a task's result: the result itself (a ref string), or the string values of a record
+    (evaluate's summary); other strings (a hub id, a local path) are no refs."""
+    refs = []
+    for item in value.values() if isinstance(value, dict) else [value]:
+        if isinstance(item, str):
+            try:
+                refs.append(ArtifactRef.parse(item))
+            except ValueError:
+                continue
+    return refs
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (its messages reach the run's logs), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 def _input_identity(value: str) -> str:
@@ -154,6 +217,38 @@ def record_automatic_settings(store: ArtifactStore, ctx: RunContext, decided: di
     store.write_bytes(f"runs/{ctx.run_id}/config.yaml", text.encode())
 
 
+def refresh_cache() -> bool:
+    """Whether this run was started with --refresh-cache (PREFECT_TASKS_REFRESH_CACHE)."""
+    return bool(get_current_settings().tasks.refresh_cache)
+
+
+class RefreshedCheckpoints(StoreCheckpoints):
+    """A stage's checkpoints under --refresh-cache: the stage trains again from step 0, so it resumes only from a
+    checkpoint this flow run saved (a retry of the task), never from an earlier run's (which may come from older
+    code: what a refresh is for). `save` replaces the earlier run's checkpoints as usual; `latest` says so."""
+
+    def latest(self) -> Path | None:
+        newest = self.latest_ref()
+        if newest is None:
+            return None
+        manifest = self.store.manifest(newest)
+        if manifest.metadata.get("flow_run") != self.metadata["flow_run"]:
+            _logger().warning(
+                "--refresh-cache: %s trains again from step 0 instead of resuming from %s (step %s, saved by flow run "
+                "%s); that run's checkpoints (and, for RL, its trajectory tables) are replaced by this run's",
+                self.name, newest, manifest.metadata.get("step"), manifest.metadata.get("flow_run"))
+            return None
+        return super().latest()
+
+
+def stage_checkpoints(store: ArtifactStore, name: str, max_to_keep: int, inputs: dict[str, str], cfg: Config,
+                      ctx: RunContext) -> StoreCheckpoints:
+    """A training stage's checkpoints; each records the flow run that saved it (for RefreshedCheckpoints)."""
+    kind = RefreshedCheckpoints if refresh_cache() else StoreCheckpoints
+    return kind(store, name, max_to_keep, inputs, {**checkpoint_metadata(cfg.model), "flow_run": ctx.run_id},
+                ctx.tmp_dir)
+
+
 def open_store(cfg: Config) -> ArtifactStore:
     return ArtifactStore.from_config(cfg.storage)
 
@@ -211,17 +306,18 @@ def base_model_task(cfg: Config, dataset: str, ctx: RunContext) -> str:
 @task(name="sft", cache_key_fn=stage_key("sft", _sft_sections, ("dataset", "base_model")), persist_result=True,
       result_serializer="json", retries=1)
 def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str:
+    """SFT from `base_model`; resumes from this configuration's checkpoints. With --refresh-cache it trains again
+    from step 0 (`RefreshedCheckpoints`: an earlier run's checkpoints are replaced as this one saves its own)."""
     from stages.sft import run_sft
 
     store = open_store(cfg)
     key = stage_hash(cfg, _sft_sections, [dataset, base_model])
     inputs = {"dataset": dataset, "base_model": base_model}
-    checkpoints = StoreCheckpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs,
-                                   checkpoint_metadata(cfg.model), ctx.tmp_dir)
+    checkpoints = stage_checkpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs, cfg, ctx)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     with stage_lease(store, f"sft-{key}", ctx.run_id):
         made = [m.ref for m in store.versions("model", "sft") if m.config_hash == key]
-        if made and not get_current_settings().tasks.refresh_cache:  # a concurrent flow with the same config
+        if made and not refresh_cache():  # a concurrent flow with the same config
             return str(made[-1])  # trained it while this one waited for the lease
         with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft") as tracker:
             result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
@@ -239,7 +335,10 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints.
 
     Returns the final checkpoint's ref (the RL loop always checkpoints its last step; RL writes no model
-    folder); `merge` turns it into a model.
+    folder); `merge` turns it into a model. A final checkpoint of this configuration is returned as it is (a
+    concurrent flow trained it, or Prefect lost the cached result), except with --refresh-cache: then RL trains
+    again from step 0, like SFT (`RefreshedCheckpoints`: the earlier run's checkpoints and trajectory tables
+    are replaced as this run writes its own, which a warning says).
     """
     from infra.trajectories import RunTables
     from stages.rl import run_rl
@@ -248,13 +347,12 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     key = stage_hash(cfg, _rl_sections, [dataset, init_model])
     inputs = {"dataset": dataset, "init_model": init_model}
     run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
-    checkpoints = StoreCheckpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, checkpoint_metadata(cfg.model),
-                                   ctx.tmp_dir)
+    checkpoints = stage_checkpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, cfg, ctx)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
     with stage_lease(store, run_id, ctx.run_id):
         final = checkpoints.at_step(cfg.rl.total_steps)
-        if final:  # a concurrent flow with the same config trained it while this one waited for the lease
-            return str(final)
+        if final and not refresh_cache():  # a concurrent flow with the same config trained it while this one
+            return str(final)  # waited for the lease
         with _tracker(cfg, ctx, "rl") as tracker:
             result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints,
                             RunTables(store, run_id), tracker)

@@ -1,11 +1,19 @@
 """Cache keys cover content (tasks/stages.py): replacing a file behind the same path - a data file, a reward
-function, a local model folder - changes the key of every stage that reads it, and nothing else's."""
+function, a local model folder - changes the key of every stage that reads it, and nothing else's. They name the
+store as resolved (a relative root from two working directories is two stores), and a cached result whose artifact
+the store no longer holds is a miss."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
+
+from prefect.filesystems import LocalFileSystem
+from prefect.results import ResultStore
+from prefect.serializers import JSONSerializer
 
 from infra.config import load_config
+from infra.store import ArtifactStore
 from tasks import stages
 
 
@@ -79,3 +87,60 @@ def test_the_math_scorer_is_part_of_the_rl_and_eval_keys(tmp_path):
     verl = keys(load_config(None, [f"model.path={model}"]), str(model))
     math_verify = keys(load_config(None, [f"model.path={model}", "rl.reward.math_scorer=math_verify"]), str(model))
     assert {k for k in verl if verl[k] != math_verify[k]} == {"rl", "eval"}
+
+
+def test_a_relative_store_root_is_keyed_by_the_folder_it_names(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    relative = load_config(None, ["storage.root=outputs/store"])
+    monkeypatch.chdir(first)
+    from_first = keys(relative, "Qwen/Qwen2.5-0.5B-Instruct")
+    monkeypatch.chdir(second)
+    from_second = keys(relative, "Qwen/Qwen2.5-0.5B-Instruct")
+    assert all(from_first[k] != from_second[k] for k in from_first)  # two stores: no stage shares a cached result
+    absolute = load_config(None, [f"storage.root={first / 'outputs' / 'store'}"])
+    assert keys(absolute, "Qwen/Qwen2.5-0.5B-Instruct") == from_first  # the same folder, however it is spelled
+    # the folder the store writes to
+    assert stages.store_identity(relative.storage) == (ArtifactStore("outputs/store").url("x").removesuffix("/x"),)
+
+
+def test_an_s3_store_is_keyed_by_its_endpoint(monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    one, other = (load_config(None, ["storage.root=s3://bucket/prefix", f"storage.endpoint_url={url}"])
+                  for url in ("http://127.0.0.1:9000", "http://10.0.0.2:9000"))
+    assert keys(one, "Qwen/Qwen2.5-0.5B-Instruct")["data"] != keys(other, "Qwen/Qwen2.5-0.5B-Instruct")["data"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")  # what ArtifactStore uses when none is given
+    no_endpoint = load_config(None, ["storage.root=s3://bucket/prefix"])
+    assert keys(no_endpoint, "Qwen/Qwen2.5-0.5B-Instruct") == keys(one, "Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_a_cached_result_naming_an_artifact_the_store_lost_is_a_miss(tmp_path):
+    """Prefect returns the result cached under the key without running the task (a hit), if there is one."""
+    cfg = load_config(None, [f"storage.root={tmp_path / 'store'}"])
+    run = SimpleNamespace(result_store=ResultStore(result_storage=LocalFileSystem(basepath=str(tmp_path / "results")),
+                                                   serializer=JSONSerializer()))  # what a task run passes
+    store, results = stages.open_store(cfg), run.result_store
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.parquet").write_text("first")
+    dataset = store.put_dir("dataset", "synthetic", tmp_path / "data")
+    key = stages.data_prep_task.cache_key_fn(run, {"cfg": cfg})
+    assert key == stages.data_prep_task.cache_key_fn(None, {"cfg": cfg})  # nothing cached yet
+    results.write(str(dataset), key=key)  # what the first run cached
+    assert stages.data_prep_task.cache_key_fn(run, {"cfg": cfg}) == key  # the artifact is there: a hit
+
+    store.delete(dataset)  # as the corrupt-artifact error tells the user to
+    rerun = stages.data_prep_task.cache_key_fn(run, {"cfg": cfg})
+    assert rerun != key and not results.exists(rerun)  # a miss: the task runs again
+
+    (tmp_path / "data" / "train.parquet").write_text("second")
+    remade = store.put_dir("dataset", "synthetic", tmp_path / "data")
+    results.write(str(remade), key=rerun)  # what the re-run cached
+    assert stages.data_prep_task.cache_key_fn(run, {"cfg": cfg}) == rerun  # and the run after it hits that
+
+
+def test_every_artifact_ref_in_a_cached_evaluation_record_is_checked():
+    record = {"label": "base", "model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": "dataset/gsm8k@0123456789abcdef",
+              "eval": "eval/base@fedcba9876543210", "engine": "hf", "acc": 0.5}
+    assert [str(ref) for ref in stages._artifact_refs(record)] == ["dataset/gsm8k@0123456789abcdef",
+                                                                    "eval/base@fedcba9876543210"]
