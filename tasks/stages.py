@@ -38,11 +38,13 @@ from prefect.settings import get_current_settings  # noqa: E402
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
 from infra.config import Config, StorageConfig, apply_override, config_hash  # noqa: E402
-from infra.lease import stage_lease  # noqa: E402
+from infra.lease import LeaseLost, stage_lease  # noqa: E402
 from infra.orphans import SCRATCH  # noqa: E402
-from infra.store import ArtifactStore  # noqa: E402
+from infra.store import ArtifactStore, CorruptArtifactError  # noqa: E402
 from infra.tracking import Tracker  # noqa: E402
 from stages.merge import checkpoint_metadata  # noqa: E402
+from stages.model.safe_load import UnsafeCheckpointError  # noqa: E402
+from stages.rewards.pool import RewardFailedError  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,19 @@ def open_store(cfg: Config) -> ArtifactStore:
     return ArtifactStore.from_config(cfg.storage)
 
 
+# Failures that a second attempt meets again: a bad value, a missing file, a user's reward function that
+# raises, a corrupt artifact, a lease another run holds now. Retrying them doubled the time to fail and printed
+# the error twice; what remains retried is what can pass on a second attempt (a stalled store, a dead worker).
+REPEATABLE = (ValueError, TypeError, LookupError, AttributeError, ImportError, NotImplementedError, FileNotFoundError,
+              PermissionError, RewardFailedError, CorruptArtifactError, UnsafeCheckpointError, LeaseLost)
+
+
+def transient(_task, _task_run, state) -> bool:
+    """Prefect's retry_condition_fn: retry unless the failure is one a retry would repeat (`REPEATABLE`)."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, REPEATABLE) and not isinstance(getattr(error, "cause", None), REPEATABLE)
+
+
 def local_model_path(store: ArtifactStore, model: str) -> str:
     """A model input is an artifact ref (fetched from the store) or a local folder / hub id (as is)."""
     try:
@@ -263,7 +278,7 @@ def local_model_path(store: ArtifactStore, model: str) -> str:
 
 
 @task(name="data-prep", cache_key_fn=stage_key("data-prep", _data_sections), persist_result=True,
-      result_serializer="json", retries=1)
+      result_serializer="json", retries=1, retry_condition_fn=transient)
 def data_prep_task(cfg: Config, ctx: RunContext) -> str:
     from stages.data_prep import run_data_prep
 
@@ -304,7 +319,7 @@ def base_model_task(cfg: Config, dataset: str, ctx: RunContext) -> str:
 
 
 @task(name="sft", cache_key_fn=stage_key("sft", _sft_sections, ("dataset", "base_model")), persist_result=True,
-      result_serializer="json", retries=1)
+      result_serializer="json", retries=1, retry_condition_fn=transient)
 def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str:
     """SFT from `base_model`; resumes from this configuration's checkpoints. With --refresh-cache it trains again
     from step 0 (`RefreshedCheckpoints`: an earlier run's checkpoints are replaced as this one saves its own)."""
@@ -330,7 +345,7 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
 # The cache key's prefix says what the task returns (a checkpoint since the merge stage exists), so a result
 # cached by an older version of this task (a model ref) is never handed to merge.
 @task(name="rl", cache_key_fn=stage_key("rl-checkpoint", _rl_sections, ("dataset", "init_model")),
-      persist_result=True, result_serializer="json", retries=1)
+      persist_result=True, result_serializer="json", retries=1, retry_condition_fn=transient)
 def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints.
 
@@ -363,7 +378,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
 
 
 @task(name="merge", cache_key_fn=stage_key("merge", _merge_sections, ("checkpoint", "base_model")),
-      persist_result=True, result_serializer="json", retries=1)
+      persist_result=True, result_serializer="json", retries=1, retry_condition_fn=transient)
 def merge_task(cfg: Config, checkpoint: str, base_model: str, ctx: RunContext, name: str = "rl") -> str:
     """A checkpoint (+ the model it was trained from) -> a plain HF folder, the versioned artifact model/<name>."""
     from stages.merge import merge_checkpoint, merge_source, store_merged
@@ -421,7 +436,7 @@ def publish_evals_task(cfg: Config, records: dict[str, dict], ctx: RunContext) -
     return rows
 
 
-@task(name="report", retries=1)
+@task(name="report", retries=1, retry_condition_fn=transient)
 def report_task(cfg: Config, rl_checkpoint: str, ctx: RunContext) -> str:
     """The HTML report of the RL run, saved in the store and linked from a Prefect markdown artifact.
     Not cached: it reads tables that grow (this flow run's evals), and rewriting it is cheap."""
