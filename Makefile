@@ -17,7 +17,9 @@ export PYTHONPATH := $(CURDIR)
 
 venv: $(STAMP)
 
-$(STAMP): requirements.lock
+# The stamp's name carries the lock's hash, so a changed lock is a missing stamp; no dependency on the lock's
+# mtime, which a checkout or clone changes without changing the lock.
+$(STAMP):
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing requirements.lock into $(VENV) (about 2 minutes; log in $(VENV)/install.log)"
@@ -35,7 +37,7 @@ demo: venv
 TRITON := $(VENV)/triton
 TRITON_STAMP := $(TRITON)/.installed-$(shell sha256sum requirements-triton.lock | cut -c1-12)
 
-$(TRITON_STAMP): requirements-triton.lock $(STAMP)
+$(TRITON_STAMP): $(STAMP)
 	rm -rf $(TRITON)
 	$(PY) -m pip install --no-deps --target $(TRITON) -r requirements-triton.lock >> $(VENV)/install.log 2>&1 \
 		|| (tail -20 $(VENV)/install.log; exit 1)

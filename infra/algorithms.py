@@ -51,6 +51,7 @@ class _Estimator(_Variant):
     needs_greedy_baseline: ClassVar[bool] = False  # a greedy response's score per prompt (ReMax)
     needs_reference: ClassVar[bool] = False  # reference logprobs, whatever the KL settings (online DPO)
     pairwise: ClassVar[bool] = False  # the actor trains on (chosen, rejected) pairs with the DPO loss (online DPO)
+    min_group_size: ClassVar[int] = 1  # samples per prompt it needs (rl.rollout.n)
 
 
 def _gamma():
@@ -86,6 +87,7 @@ class DrGRPO(_Estimator):
 
 class GRPOPassK(_Estimator):
     name: Literal["grpo_passk"] = "grpo_passk"
+    min_group_size: ClassVar[int] = 2  # the best sample against the second best
     norm_adv_by_std_in_grpo: bool = _grpo_std()
     epsilon: float = _epsilon()
 

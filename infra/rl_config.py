@@ -364,6 +364,14 @@ class RLConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _groups_fit(self) -> RLConfig:
+        estimator = self.algorithm.adv_estimator
+        if self.rollout.n < estimator.min_group_size:
+            raise ValueError(f"rl.algorithm.adv_estimator={estimator.name} compares the samples of each prompt: "
+                             f"rl.rollout.n={self.rollout.n} must be at least {estimator.min_group_size} (e.g. 4 or 8)")
+        return self
+
+    @model_validator(mode="after")
     def _pairs_fit(self) -> RLConfig:
         """Online DPO (a pairwise estimator) trains on (chosen, rejected) pairs with its own loss."""
         if not self.algorithm.adv_estimator.pairwise:

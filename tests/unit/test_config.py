@@ -43,6 +43,13 @@ def test_negative_learning_rate_is_an_error_naming_the_field():
         load_config(None, ["sft.optim.lr=-0.001"])
 
 
+def test_an_estimator_that_compares_samples_needs_several_per_prompt():
+    with pytest.raises(ConfigError, match=r"adv_estimator=grpo_passk compares the samples of each prompt: "
+                                          r"rl\.rollout\.n=1 must be at least 2"):
+        load_config(None, ["rl.algorithm.adv_estimator=grpo_passk", "rl.rollout.n=1"])
+    load_config(None, ["rl.algorithm.adv_estimator=grpo", "rl.rollout.n=1"])  # GRPO takes a group of one as verl
+
+
 def test_every_bad_key_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["sft.epochs=0", "data.truncation=middle"])
