@@ -174,10 +174,23 @@ def _line(text: str, natives: list[str], row: VerlKey, times: int) -> str:
 
 def _unknown(key: str) -> str:
     """Why `key` is not in the table, with the nearest key that is (a key whose end it is, else by spelling)."""
+    if _is_native(key):
+        return "one of this project's keys, not verl's: give it before --verl (everything after --verl is verl's)"
     ends = [k for k in TABLE if k.endswith("." + key)]
     near = ends if len(ends) == 1 else difflib.get_close_matches(key, list(TABLE), n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]}?" if near else ""
     return f"not a verl key this project maps or refuses (it knows {len(TABLE)}){hint}"
+
+
+def _is_native(key: str) -> bool:
+    """Whether `key` names a field of this project's config (a recipe's key given after --verl by mistake)."""
+    node: object = Config
+    for part in key.split("."):
+        fields = getattr(node, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        node = fields[part].annotation
+    return True
 
 
 def _clashes(mapped: dict, overrides: list[str]) -> list[str]:

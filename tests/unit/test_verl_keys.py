@@ -311,6 +311,12 @@ def test_a_misspelt_key_names_the_nearest(given, nearest):
         translate(None, [], [given])
 
 
+def test_one_of_our_keys_after_verl_says_where_it_goes():
+    with pytest.raises(VerlKeyError, match=re.escape("rl.total_steps=2: one of this project's keys, not verl's: "
+                                                     "give it before --verl")):
+        translate(None, [], ["data.train_batch_size=64", "rl.total_steps=2"])
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(VerlKeyError) as err:
         translate(None, [], [R + "name=sglang", "trainer.default_local_dir=/ckpt", "data.nope=1",
