@@ -174,6 +174,29 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
     return recipe, overrides, verl
 
 
+def preflight(cfg: Config) -> None:
+    """What the config names outside itself, checked before anything runs or is written: the store can be
+    written, local files and folders exist, the reward function loads. Raises ConfigError naming the field."""
+    from infra.store import StoreError
+    from stages.rewards.custom import load_reward_fn
+
+    try:
+        open_store(cfg).check()
+    except StoreError as exc:
+        raise ConfigError(f"storage.root={cfg.storage.root}: {exc}") from exc
+    local = ("/", "./", "../", "~")  # anything else may be a hub id
+    for field, path in (("model.path", cfg.model.path), ("data.path", cfg.data.path if cfg.data.source == "file"
+                                                                         else None)):
+        if path and path.startswith(local) and not Path(path).expanduser().exists():
+            raise ConfigError(f"{field}={path}: no such file or folder")
+    reward = cfg.rl.reward
+    if cfg.rl.enabled and reward.custom_path:
+        try:
+            load_reward_fn(reward.custom_path, reward.custom_function)
+        except ValueError as exc:
+            raise ConfigError(f"rl.reward.custom_path={reward.custom_path}: {exc}") from exc
+
+
 def main(argv: list[str]) -> int:
     recipe, overrides, verl = parse_args(argv)
     if "--refresh-cache" in argv:
@@ -185,6 +208,7 @@ def main(argv: list[str]) -> int:
                   flush=True)
             overrides = translation.overrides
         cfg = load_config(recipe, overrides)  # fail fast, before Prefect starts, on a bad recipe or override
+        preflight(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
