@@ -5,7 +5,8 @@ sha256 over the sorted relative paths and the bytes of each file (``hash_dir``),
 gets the same version. Its ``Manifest`` (``_manifest.json``, the commit marker) records the files with sizes
 and sha256, the inputs it was made from (lineage), the config hash, the code version and free metadata.
 A manifest read back is checked field by field (``Manifest.from_json``), and ``file_problems`` compares the
-files found with it (missing, unlisted, size, sha256): the store's integrity checks.
+files found with it (missing, unlisted, size, sha256), ``copy_problems`` those of a local copy: the store's
+integrity checks.
 
 Reading and writing versions is ``infra.store.ArtifactStore``'s work; ``lineage`` (for the store CLI) only
 walks a store through its public readers.
@@ -190,16 +191,25 @@ def file_problems(manifest: Manifest, sizes: dict[str, int], sha256_of: Callable
     return problems
 
 
-def is_complete_copy(dest: Path, manifest: Manifest) -> bool:
-    """dest holds this version's files (manifest written last, sizes match)."""
+def copy_problems(dest: Path, manifest: Manifest) -> list[str]:
+    """How a local copy of the version in dest differs from its manifest; empty: an intact, complete copy.
+
+    Checked like a stored version (names, sizes, sha256 of every byte), after the copy's own manifest (written
+    last, so a missing one means an unfinished copy). Hashing costs one read of the copy, as a local
+    ``get_dir`` pays on every call; checking names and sizes only would hand a copy whose bytes changed in place
+    (bit rot, a same-size write) to the loader without a word.
+    """
     marker = dest / MANIFEST
+    if not marker.is_file():
+        return [f"{MANIFEST}: missing (an unfinished copy)"]
     try:
-        if not marker.is_file() or Manifest.from_json(marker.read_bytes(), str(marker)).files != manifest.files:
-            return False
-    except ValueError:
-        return False  # a damaged copy: not complete
-    return all((dest / rel).is_file() and (dest / rel).stat().st_size == info["size"]
-               for rel, info in manifest.files.items())
+        if Manifest.from_json(marker.read_bytes(), str(marker)).files != manifest.files:
+            return [f"{MANIFEST}: lists other files than the stored version's"]
+    except ValueError as exc:
+        return [str(exc)]
+    sizes = {p.relative_to(dest).as_posix(): p.stat().st_size for p in dest.rglob("*") if p.is_file()}
+    sizes.pop(MANIFEST, None)
+    return file_problems(manifest, sizes, lambda rel: file_sha256(dest / rel))
 
 
 # ------------------------------------------------------------------------------------------------------- lineage (CLI)

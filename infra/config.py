@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.redact import redact, url_credential_fields
 from infra.rl_config import OptimConfig, RLConfig
@@ -216,6 +219,31 @@ class StorageConfig(Section):
             raise ValueError(f"root={self.root!r}: use a local path, file://, memory:// or s3://bucket/prefix")
         return self
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        problem = url and endpoint_url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
+
+
+ENDPOINT_EXAMPLE = "http://127.0.0.1:9000 (a local S3 server) or https://s3.us-east-1.amazonaws.com"
+
+
+def endpoint_url_problem(url: str) -> str | None:
+    """Why url cannot be an S3 endpoint, or None. botocore and DuckDB's httpfs both need the scheme: without one
+    botocore fails only at the first request, deep inside, and guessing https would be wrong for a local server."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError unless the port is a number in 0-65535
+    except ValueError as exc:
+        return f"not a URL ({exc}); expected http(s)://host[:port], e.g. {ENDPOINT_EXAMPLE}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        hint = f"; with the scheme: http://{url} or https://{url}" if "://" not in url else ""
+        return f"expected an http:// or https:// URL with a host, e.g. {ENDPOINT_EXAMPLE}{hint}"
+    return None
+
 
 class TrackingConfig(Section):
     backends: list[Literal["console", "jsonl", "wandb", "prometheus"]] = Field(
@@ -290,6 +318,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _finite_floats(self) -> Config:
+        """Every float of every section, those defined in other modules (rl_config, algorithms) included, is finite:
+        inf passes bounds such as `gt=0` and a field without bounds takes nan, and neither is a usable setting (an
+        inf learning rate or timeout fails, or hangs, far from the config). Checked here, once for the whole tree,
+        so that no section's base class can forget it. No field uses inf for "no limit": those use None."""
+        bad = list(_non_finite(self, ""))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: inf and nan are not allowed; give a finite number (or null where "
+                             "the field's description says null means no limit)")
+        return self
+
+    @model_validator(mode="after")
     def _interaction_is_configured(self) -> Config:
         if self.data.interaction and not self.rl.multi_turn.interaction_config_path:
             raise ValueError(f"data.interaction={self.data.interaction!r} names a simulated user, but "
@@ -346,6 +386,21 @@ class Config(Section):
             raise ValueError(f"rl.async_training.mode={mode} generates on devices of its own while the trainer "
                              "trains: set ray.rollout_devices_per_node (e.g. 1), or use mode=sync")
         return self
+
+
+def _non_finite(value: Any, key: str) -> Iterator[str]:
+    """'key = value' for each float under value (a section, dict, list or tuple) that is inf or nan."""
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            yield from _non_finite(getattr(value, name), f"{key}.{name}" if key else name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _non_finite(item, f"{key}.{name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield f"{key} = {value}"
 
 
 # --------------------------------------------------------------------------------------------------

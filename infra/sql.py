@@ -27,8 +27,16 @@ Read-only: ``query``, ``read`` and the CLI run exactly one statement, a read (``
 CREATE, INSERT, SET, PRAGMA settings, INSTALL/LOAD, ATTACH, ...) is a ``ReadOnlyError`` naming its type. Each
 connection is also locked by DuckDB itself, set after the views and the S3 secret exist: ``allowed_paths`` = the
 views' files with ``enable_external_access=false`` (no other file or URL: ``read_csv('/etc/passwd')``, ``COPY
-... TO`` and ``ATTACH`` of a file are refused, so the store's credentials cannot write to it either), no extension
-auto-installed or auto-loaded, and ``lock_configuration`` (no SET undoes any of it).
+... TO`` a new file and ``ATTACH`` of a file are refused), no extension auto-installed or auto-loaded, and
+``lock_configuration`` (no SET undoes any of it).
+What DuckDB's lock does not cover: it has no read-only allow-list. ``allowed_paths`` (and ``allowed_directories``)
+grant every operation on a file, writing included, so on a connection whose statements are not checked
+(``connect()``) ``COPY ... TO '<a view's file>' (USE_TMP_FILE false)`` overwrites that file where DuckDB reads it
+itself: a local store, and S3 through httpfs (with the default ``USE_TMP_FILE`` it writes a ``tmp_`` file first,
+which is refused). There, the statement check of ``query``/``read``/the CLI is what refuses writes. Roots read
+through fsspec (``memory://``, S3 without httpfs) are registered read-only (``ReadOnlyFileSystem``), which refuses
+every write on the connection itself. Reading local files that way too would close the gap, but costs about 10x
+the time of a query (3 s instead of 0.3 s over 2,000 files: every read is a Python call under the GIL).
 
 S3 (``s3://bucket/prefix``): DuckDB's own httpfs extension, loaded from the file shipped in the PyPI
 package ``duckdb-extension-httpfs`` (``LOAD '<site-packages>/duckdb_extension_httpfs/extensions/v1.5.5/
@@ -62,7 +70,9 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import duckdb
+from fsspec import AbstractFileSystem
 
+from infra.config import endpoint_url_problem
 from infra.s3 import limit_httpfs
 from infra.store import ArtifactStore, StoreError
 from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES, TURN_COLUMNS
@@ -132,10 +142,10 @@ def s3_secret_options(endpoint_url: str | None, env: dict[str, str]) -> dict[str
     if "KEY_ID" not in options or "SECRET" not in options:
         logger.warning("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY are not set: reading S3 anonymously")
     if endpoint_url:
-        parts = urlsplit(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"endpoint_url={endpoint_url!r}: expected http(s)://host[:port], "
-                             "e.g. http://127.0.0.1:9000")
+        problem = endpoint_url_problem(endpoint_url)  # the check of storage.endpoint_url: no guessed scheme
+        if problem:
+            raise ValueError(f"endpoint_url={endpoint_url!r} (storage.endpoint_url, --endpoint-url): {problem}")
+        parts = urlsplit(endpoint_url)
         options.update(ENDPOINT=parts.netloc + parts.path.rstrip("/"), URL_STYLE="path",
                        USE_SSL=parts.scheme == "https")
     return options
@@ -152,6 +162,43 @@ def _create_s3_secret(con: duckdb.DuckDBPyConnection, endpoint_url: str | None) 
                          f"endpoint_url={endpoint_url!r}; check the AWS_* variables and --endpoint-url") from None
 
 
+class ReadOnlyFileSystem(AbstractFileSystem):
+    """The store's fsspec filesystem as DuckDB sees it, read-only: files open for reading only, and every call that
+    would create, change, move or remove something raises PermissionError naming it. DuckDB's own lock allows
+    writing to the files it may read (see the module docstring); this one does not."""
+
+    cachable = False  # one per connection, never shared through fsspec's instance cache
+
+    def __init__(self, fs: AbstractFileSystem):
+        super().__init__()
+        self.fs, self.protocol = fs, fs.protocol  # DuckDB routes the store's URLs here by their protocol
+
+    def _strip_protocol(self, path):
+        return self.fs._strip_protocol(path)
+
+    def _open(self, path, mode="rb", **kwargs):
+        if mode != "rb":
+            raise PermissionError(f"the store is read-only for SQL: cannot open {path!r} with mode {mode!r}")
+        return self.fs.open(path, "rb", **kwargs)
+
+    def info(self, path, **kwargs):
+        return self.fs.info(path, **kwargs)
+
+    def ls(self, path, detail=True, **kwargs):
+        return self.fs.ls(path, detail=detail, **kwargs)
+
+    def glob(self, path, **kwargs):
+        return self.fs.glob(path, **kwargs)
+
+    def modified(self, path):
+        return self.fs.modified(path)
+
+    def _refuse(self, path, *args, **kwargs):
+        raise PermissionError(f"the store is read-only for SQL: cannot change {path!r}")
+
+    rm = rm_file = rmdir = mv = cp_file = mkdir = makedirs = touch = pipe_file = put_file = _refuse
+
+
 def _attach_storage(con: duckdb.DuckDBPyConnection, store: ArtifactStore) -> None:
     """Make store.url() paths readable by con (local paths need nothing)."""
     if not store.is_remote:
@@ -160,7 +207,7 @@ def _attach_storage(con: duckdb.DuckDBPyConnection, store: ArtifactStore) -> Non
         _create_s3_secret(con, store.endpoint_url)
         limit_httpfs(con, store.limits)  # the store's timeout and attempts per request
     else:
-        con.register_filesystem(store.fs)
+        con.register_filesystem(ReadOnlyFileSystem(store.fs))
 
 
 def _select(table: str, files: list[str]) -> str:
@@ -266,8 +313,9 @@ class _Views:
 
 
 def _lock(con: duckdb.DuckDBPyConnection, files: list[str]) -> None:
-    """From now on: read the views' files only, no other file or URL, no extension, no change of settings.
-    Set last: the secret and the views need the access they lose here."""
+    """From now on: the views' files only (to DuckDB: any operation on them, writes included, which only
+    ReadOnlyFileSystem refuses), no other file or URL, no extension, no change of settings. Set last: the secret
+    and the views need the access they lose here."""
     con.execute("SET allowed_paths = ?", [files])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")

@@ -19,8 +19,10 @@ manifest exists and is valid.
   place with one ``os.rename`` (same file system, atomic). A crash leaves only a staging folder.
 - remote (s3): files are uploaded to the final prefix, the manifest last (one PUT is atomic). A failed upload
   raises ``StoreError``, is cleaned up best-effort (not after a timeout) and stays invisible; a retry of the
-  same content overwrites and commits it. ``gc()`` removes staging folders and manifest-less version folders;
-  run it only when no write is in progress (it cannot tell a crashed write from a running one).
+  same content overwrites and commits it. If a valid manifest of the version exists after the failure (another
+  writer stored the same content meanwhile), the version is complete: it is kept and the put succeeds, as on a
+  local store; if the store cannot say, nothing is removed. ``gc()`` removes staging folders and manifest-less
+  version folders; run it only when no write is in progress (it cannot tell a crashed write from a running one).
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT.
 
 Integrity: every read of a version's files checks them against its manifest: the same file names (a listed file
@@ -31,9 +33,10 @@ the commands that check and remove it. When:
   (trusting an earlier check while names, sizes and mtimes are unchanged) would miss exactly what the check is
   for: bytes that change underneath the file system (a bad disk, a restored backup) or a same-size write that
   keeps the mtime. The cost is one sequential read of the version, small next to loading it.
-- s3, or ``get_dir(ref, dest)``: each file is checked as it is downloaded, once per download; a complete copy
-  already in ``dest`` (same manifest, same sizes) is re-used without re-reading it, and a damaged copy in the
-  cache is downloaded again.
+- s3, or ``get_dir(ref, dest)``: each file is checked as it is downloaded; a copy already in ``dest`` (the cache,
+  by default) is re-used only after the same check of every file (names, sizes, sha256), at the cost of a local
+  ``get_dir`` and for the same reason; a damaged copy in the cache is downloaded again, with a warning naming
+  what differed.
 - manifests: parsed and checked field by field on every read. A version whose manifest is not JSON, misses a
   field or names another version is treated as not committed: listings skip it with a warning naming it, and a
   read by its ref raises ``CorruptArtifactError``.
@@ -80,13 +83,13 @@ from infra.artifacts import (
     MANIFEST,
     ArtifactRef,
     Manifest,
+    copy_problems,
     file_problems,
     file_sha256,
     hash_dir,
-    is_complete_copy,
     stream_sha256,
 )
-from infra.config import StorageConfig
+from infra.config import StorageConfig, endpoint_url_problem
 from infra.s3 import s3_filesystem, stall_bound_s
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,24 @@ class CorruptArtifactError(StoreError):
     each bad file with expected vs found, and the commands that check and remove it."""
 
 
+def _temp_file(path: Path) -> tuple[int, str]:
+    """A temp file beside `path` with the mode a plain open() would give it: mkstemp makes it 0600, and the table
+    files, reports and configs renamed from it must be as readable as the artifacts beside them (shared stores)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, tmp
+
+
+def _process_umask() -> int:
+    """The umask, read at import (os.umask can only be read by setting it, which must not race other threads)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
 class ArtifactStore:
     """Versioned artifacts and mutable tables under one root; see the module docstring."""
 
@@ -117,6 +138,9 @@ class ArtifactStore:
         self.is_remote = "://" in root and not root.startswith("file://")
         self.endpoint_url = endpoint_url or (os.environ.get("AWS_ENDPOINT_URL") if root.startswith("s3://") else None)
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "rlpipe" / "artifacts").expanduser()
+        if self.endpoint_url and (problem := endpoint_url_problem(self.endpoint_url)):
+            raise ValueError(f"endpoint_url={self.endpoint_url!r} (storage.endpoint_url, --endpoint-url or "
+                             f"AWS_ENDPOINT_URL): {problem}")
         if root.startswith("s3://"):
             self.fs = s3_filesystem(self.endpoint_url, self.limits)
             self._base = root[len("s3://"):].strip("/")
@@ -317,10 +341,28 @@ class ArtifactStore:
             self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
         except (*_CONNECTION_ERRORS, OSError) as exc:
             waited_s = time.monotonic() - start
-            if not isinstance(exc, _TIMEOUTS):  # a storage that does not answer would hold the cleanup as long again
-                self._discard(vdir)
+            if not isinstance(exc, _TIMEOUTS):  # a storage that does not answer would hold these as long again
+                committed = self._committed_meanwhile(ref)
+                if committed:
+                    logger.warning("the upload of %s failed (%s), but the version is committed with a valid manifest "
+                                   "(another writer stored the same content meanwhile): keeping it", ref, exc)
+                    return
+                if committed is False:  # None: unknown, and removing a committed version's files would corrupt it
+                    self._discard(vdir)
             raise self._network_error(f"upload of {ref}", exc, waited_s, "; no version was committed (files already "
                                       "sent stay invisible: a re-run overwrites them, gc() removes them)") from exc
+
+    def _committed_meanwhile(self, ref: ArtifactRef) -> bool | None:
+        """After a failed upload: whether ref has a valid manifest now; None if the store could not be asked.
+
+        Uploads of the same content go to the same prefix, so a concurrent writer may have committed the version
+        while this one failed; its files are then the version's, and removing the prefix would delete it."""
+        try:
+            return self.exists(ref)
+        except (StoreError, OSError) as exc:
+            logger.warning("could not check whether %s was committed meanwhile (%s); leaving its files alone", ref,
+                           exc)
+            return None
 
     def get_dir(self, ref: ArtifactRef, dest: str | Path | None = None) -> Path:
         """A local folder with the files of ref (plus _manifest.json), checked against the manifest
@@ -328,7 +370,8 @@ class ArtifactStore:
 
         Local store and no dest: the version folder itself (read-only use), verified in full at every call.
         Otherwise the files are copied or downloaded into dest (default: ``cache_dir/kind/name/version``), each
-        checked as it arrives; a complete copy already there is re-used, a damaged one in the cache replaced.
+        checked as it arrives; a copy already there is verified in full and re-used if intact, and replaced
+        (with a warning) if it is the cache's.
         """
         if not self.is_remote and dest is None:
             self.verify(ref)
@@ -336,13 +379,15 @@ class ArtifactStore:
         manifest = self.manifest(ref)
         cached = dest is None
         dest = Path(dest) if dest is not None else self.cache_dir / ref.kind / ref.name / ref.version
-        if is_complete_copy(dest, manifest):
+        problems = copy_problems(dest, manifest)
+        if not problems:
             return dest
         if dest.exists() and any(dest.iterdir()):
             if not cached:
-                raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref}; "
-                                 "pass an empty or new folder")
-            logger.warning("the cached copy %s of %s is incomplete or damaged; downloading it again", dest, ref)
+                raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref} "
+                                 f"({'; '.join(problems)}); pass an empty or new folder")
+            logger.warning("the cached copy %s of %s is incomplete or damaged (%s); downloading it again", dest, ref,
+                           "; ".join(problems))
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
@@ -353,7 +398,7 @@ class ArtifactStore:
             os.rename(partial, dest)
         except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            if not (isinstance(exc, OSError) and is_complete_copy(dest, manifest)):  # else: a concurrent
+            if not (isinstance(exc, OSError) and not copy_problems(dest, manifest)):  # else: a concurrent
                 raise  # reader finished the same copy first
         return dest
 
@@ -378,12 +423,14 @@ class ArtifactStore:
         with self._errors(f"listing {kind}/{name}"):
             paths = [f"{d}/{MANIFEST}" for d in self._ls_dirs(self._path(ARTIFACTS, kind, name))]
             found = self.fs.cat(paths, on_error="return") if paths else {}
+            failed = [data for data in found.values()
+                      if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError)]
+            if failed:  # cat returns errors as values: raised here, _errors reports a timeout like any other
+                raise failed[0]
         manifests = []
         for path, data in sorted(found.items()):
             if isinstance(data, FileNotFoundError):
                 continue  # not committed (yet): invisible by design
-            if isinstance(data, BaseException):
-                raise data
             try:
                 manifests.append(self._parse_manifest(data, ArtifactRef(kind, name, path.rsplit("/", 2)[-2])))
             except (ValueError, CorruptArtifactError) as exc:  # ValueError: a folder name that is no version
@@ -458,7 +505,7 @@ class ArtifactStore:
                 self.fs.pipe_file(path, data)
             return
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+        fd, tmp = _temp_file(Path(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -486,7 +533,7 @@ class ArtifactStore:
             self.fs.pipe_file(path, data)
             return True
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+        fd, tmp = _temp_file(Path(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from infra import sql
+from infra.algorithms import AdvEstimator, PolicyLoss, variant_names
 from infra.config import Config, ConfigError, config_hash, load_config, parse_override, to_yaml
+from infra.store import ArtifactStore
 
 RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml"))
 
@@ -92,6 +95,47 @@ def test_config_hash_depends_only_on_given_sections():
 def test_s3_root_with_unknown_protocol_is_rejected():
     with pytest.raises(ConfigError, match="gs://bucket"):
         load_config(None, ["storage.root=gs://bucket"])
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:5599", "localhost:9000", "ftp://host", "http://", "http://host:port"])
+def test_an_s3_endpoint_must_be_an_http_url_with_a_host_everywhere(url):
+    """One check for the config, the store (its CLI's --endpoint-url, AWS_ENDPOINT_URL) and SQL's S3 settings: a
+    URL without a scheme used to pass, then failed deep in botocore, while SQL guessed https for it."""
+    example = "e.g. http://127.0.0.1:9000"
+    with pytest.raises(ConfigError, match=f"storage.endpoint_url = '{url}': .*{example}"):
+        load_config(None, [f"storage.endpoint_url={url}"])
+    with pytest.raises(ValueError, match=f"endpoint_url='{url}' \\(storage.endpoint_url, .*{example}"):
+        ArtifactStore("s3://bucket/prefix", url)
+    with pytest.raises(ValueError, match=f"endpoint_url='{url}' \\(storage.endpoint_url, .*{example}"):
+        sql.s3_secret_options(url, {})
+
+
+def test_an_http_or_https_endpoint_is_accepted():
+    for url in ("http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com", "https://minio.example.com/"):
+        assert load_config(None, [f"storage.endpoint_url={url}"]).storage.endpoint_url == url
+    assert load_config(None, ["storage.endpoint_url=null"]).storage.endpoint_url is None
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["sft.optim.lr=.inf"], "sft.optim.lr = inf"),  # passes gt=0
+    (["sft.optim.lr=inf"], "sft.optim.lr = inf"),  # a string that pydantic reads as a float
+    (["rl.actor.optim.grad_clip=.inf"], "rl.actor.optim.grad_clip = inf"),  # a section of infra/rl_config.py
+    (["storage.min_upload_mib_s=.inf"], "storage.min_upload_mib_s = inf"),
+    (["rl.actor.policy_loss=clip_cov", "rl.actor.policy_loss.clip_cov_lb=-.inf"],
+     "rl.actor.policy_loss.clip_cov_lb = -inf"),  # a variant of infra/algorithms.py, a field without bounds
+    (["rl.actor.policy_loss=clip_cov", "rl.actor.policy_loss.clip_cov_ub=.nan"],
+     "rl.actor.policy_loss.clip_cov_ub = nan"),
+])
+def test_inf_and_nan_are_refused_in_every_float_field(overrides, key):
+    with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}: inf and nan are not allowed; give a finite"):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("variant", [f"rl.algorithm.adv_estimator={name}" for name in variant_names(AdvEstimator)]
+                         + [f"rl.actor.policy_loss={name}" for name in variant_names(PolicyLoss)])
+def test_every_default_is_finite(variant):
+    """The check above covers every field: no default (of any variant's fields too) may rely on inf."""
+    assert isinstance(load_config(None, ["rl.rollout.n=2", variant]), Config)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import duckdb
@@ -59,6 +60,9 @@ def test_exactly_one_statement(local, tmp_path, statement):
 REFUSED = [  # (statement, the type named in the error)
     ("COPY (SELECT * FROM rollouts) TO '{out}'", "COPY"),
     ("COPY (SELECT 1 AS score) TO '{store}/rollouts/run_id=x/step=00000001/part-0.parquet'", "COPY"),
+    # a file of the views, written in place: DuckDB itself would allow it (see test_the_connection_itself_is_locked)
+    ("COPY (SELECT 42) TO '{store}/rollouts/run_id=run-a/step=00000001/part-0.parquet' (FORMAT csv, "
+     "USE_TMP_FILE false)", "COPY"),
     ("EXPLAIN ANALYZE COPY (SELECT 1) TO '{out}'", "COPY"),  # EXPLAIN ANALYZE runs it
     ("EXPLAIN (FORMAT json, ANALYZE) COPY (SELECT 1) TO '{out}'", "COPY"),
     ("EXPORT DATABASE '{out}'", "EXPORT"),
@@ -97,7 +101,10 @@ def test_files_outside_the_run_tables_are_refused(local, tmp_path, reader):
 
 
 def test_the_connection_itself_is_locked(local, tmp_path):
-    """Below the statement check: DuckDB refuses files, extensions and settings on the connection."""
+    """Below the statement check: DuckDB refuses other files, extensions and settings on the connection. Not the
+    views' own files, which DuckDB reads itself on a local store: its allowed_paths grant writing too (DuckDB has
+    no read-only allow-list), so there only the statement check (REFUSED above, test_cli_errors) refuses an
+    overwrite in place; test_an_fsspec_root_refuses_writes_to_its_own_files shows the roots where it is locked."""
     con = sql.connect(local)
     settings = dict(con.sql("SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
                             "'lock_configuration', 'autoinstall_known_extensions', 'autoload_known_extensions')"
@@ -105,8 +112,9 @@ def test_the_connection_itself_is_locked(local, tmp_path):
     assert settings == {"enable_external_access": "false", "lock_configuration": "true",
                         "autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
     before = snapshot(tmp_path)
-    table_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")  # readable, not writable
-    for statement in (f"COPY (SELECT 1) TO '{tmp_path / 'out.csv'}'", f"COPY (SELECT 1 AS score) TO '{table_file}'",
+    new_file = local.url("rollouts/run_id=x/step=00000001/part-0.parquet")  # in the store, not one of the views'
+    for statement in (f"COPY (SELECT 1) TO '{tmp_path / 'out.csv'}' (FORMAT csv, USE_TMP_FILE false)",
+                      f"COPY (SELECT 1 AS score) TO '{new_file}' (USE_TMP_FILE false)",
                       f"ATTACH '{tmp_path / 'other.db'}'", "LOAD httpfs"):
         with pytest.raises(duckdb.PermissionException):
             con.execute(statement)
@@ -116,6 +124,20 @@ def test_the_connection_itself_is_locked(local, tmp_path):
     assert con.sql("SELECT count(*) FROM rollouts").fetchone() == (12,)
 
 
+def test_an_fsspec_root_refuses_writes_to_its_own_files():
+    """memory:// (and S3 without httpfs) is read through a read-only filesystem: even the views' own files, which
+    DuckDB's settings allow, cannot be written in place on the connection itself."""
+    store = ArtifactStore(f"memory://rlpipe-test-{uuid.uuid4().hex[:8]}/store")
+    write_scores(store)
+    relpath = "rollouts/run_id=run-a/step=00000001/part-0.parquet"
+    before = store.read_bytes(relpath)
+    con = sql.connect(store)
+    with pytest.raises(duckdb.Error, match="the store is read-only for SQL: cannot open .* with mode 'wb'"):
+        con.execute(f"COPY (SELECT 42) TO '{store.url(relpath)}' (FORMAT csv, USE_TMP_FILE false)")
+    assert store.read_bytes(relpath) == before
+    assert con.sql("SELECT count(*) FROM rollouts").fetchone() == (12,)  # reading works as before
+
+
 def run_cli(store: ArtifactStore, statement: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "infra.sql", "--root", store.root, statement], cwd=PROJECT,
                           capture_output=True, text=True, check=False, timeout=120)
@@ -123,10 +145,14 @@ def run_cli(store: ArtifactStore, statement: str) -> subprocess.CompletedProcess
 
 def test_cli_errors(local, tmp_path):
     out = tmp_path / "out.csv"
+    table_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")
+    before = snapshot(tmp_path)
     for statement, error in ((f"SELECT 1; COPY (SELECT 1) TO '{out}'", "error: only one SQL statement per query"),
                              (f"COPY (SELECT 1) TO '{out}'", "error: the store is read-only: COPY statements"),
+                             (f"COPY (SELECT 42) TO '{table_file}' (FORMAT csv, USE_TMP_FILE false)",
+                              "error: the store is read-only: COPY statements"),
                              ("SELECT * FROM read_text('/etc/hostname')", "error: the store is read-only: ")):
         done = run_cli(local, statement)
         assert done.returncode == 1 and done.stdout == ""
         assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(error), done.stderr
-    assert not out.exists()
+    assert snapshot(tmp_path) == before

@@ -285,3 +285,19 @@ def test_cli_shows_versions_and_lineage(tmp_path):
     assert cli("list").splitlines() == [f"dataset/synthetic  versions=1  latest={data}",
                                         f"model/sft-a  versions=1  latest={model}"]
     assert cli("gc").strip() == "removed 0 leftovers"
+
+
+def test_table_files_are_as_readable_as_artifacts(tmp_path):
+    """write_bytes and create_exclusive go through a temp file: it must not leave them owner-only (mkstemp's 0600)
+    when the artifacts beside them follow the umask (a teammate's SQL over a shared store would skip them)."""
+    import os
+    import stat
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.write_bytes("rollouts/run_id=r/step=1/part-0.parquet", b"x")
+    store.create_exclusive("leases/x.json", b"{}")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for rel in ("rollouts/run_id=r/step=1/part-0.parquet", "leases/x.json"):
+        mode = stat.S_IMODE((tmp_path / "store" / rel).stat().st_mode)
+        assert mode == 0o666 & ~umask, (rel, oct(mode))

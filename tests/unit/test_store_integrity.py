@@ -193,3 +193,39 @@ def test_saving_a_step_again_replaces_later_steps(store, tmp_path):
     again = save_steps(ckpts, tmp_path / "again", [2])[2]
     assert [m.ref for m in store.versions("checkpoint", "rl-x")] == [refs[1], again]
     assert ckpts.latest_ref() == again
+
+
+
+def flip_byte(path) -> str:
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF  # bit rot: same size, same name
+    path.write_bytes(bytes(data))
+    return "actor/__0_0.distcp: sha256 "
+
+
+def add_stray_file(path) -> str:
+    (path.parent / "extra.bin").write_bytes(b"not in the manifest")
+    return "actor/extra.bin: not in the manifest"
+
+
+@pytest.mark.parametrize("damage", [flip_byte, add_stray_file], ids=lambda damage: damage.__name__)
+def test_a_copy_changed_in_place_is_never_reused(store, tmp_path, caplog, damage):
+    """A copy that get_dir made earlier is hashed again before it is re-used, as a local get_dir hashes the
+    version: the cache's copy is downloaded again (with a warning naming the file), a given dest is refused."""
+    ref = store.put_dir("checkpoint", "c", make_dir(tmp_path / "src", ARTIFACTS["checkpoint"]))
+    rel = "actor/__0_0.distcp"  # the 2 KiB file
+    dest = store.get_dir(ref, dest=tmp_path / "copy")
+    found = damage(dest / rel)
+    with pytest.raises(ValueError, match=f"is not a complete copy of {ref} \\({found}"):
+        store.get_dir(ref, dest=dest)
+    if not store.is_remote:
+        return  # the local store has no cache: get_dir(ref) is the version itself, verified at every call
+    cached = store.get_dir(ref)
+    damage(cached / rel)
+    with caplog.at_level(logging.WARNING, logger="infra.store"):
+        again = store.get_dir(ref)
+    assert again == cached and (again / rel).read_bytes() == BLOB
+    assert sorted(p.name for p in again.rglob("*") if p.is_file()) == sorted(
+        [MANIFEST, ".metadata", "__0_0.distcp", "trainer.pt"])  # the stray file went with the damaged copy
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "infra.store" and r.levelno >= logging.WARNING]
+    assert f"the cached copy {cached} of {ref} is incomplete or damaged ({found}" in warning, warning
