@@ -151,6 +151,13 @@ class ArtifactStore:
             self.fs = fsspec.filesystem("file")
             self._base = Path(root.removeprefix("file://")).expanduser().resolve().as_posix()
 
+    @property
+    def identity(self) -> tuple[str, ...]:
+        """The store as resolved (for cache keys): a local root as an absolute path, a URL as given, plus the S3
+        endpoint when one is set (the same bucket name on two servers is two stores)."""
+        root = self.root.rstrip("/") if self.is_remote else self._base
+        return (root, self.endpoint_url) if self.endpoint_url else (root,)
+
     @classmethod
     def from_config(cls, cfg) -> ArtifactStore:
         """Build from ``infra.config.StorageConfig``."""

@@ -73,9 +73,10 @@ class JsonlBackend:
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        lines = self._lines()
+        text = path.read_text() if path.exists() else ""
+        lines = _parsed(text)
         self.last_step = max((s for s, _ in lines), default=None)
-        if path.exists() and path.read_text() != "".join(line + "\n" for _, line in lines):
+        if text != "".join(line + "\n" for _, line in lines):
             self._rewrite(lines)  # a line cut by a kill: the next one must start on its own line
 
     def _rewrite(self, lines: list[tuple[int, str]]) -> None:
@@ -83,26 +84,26 @@ class JsonlBackend:
         tmp.write_text("".join(line + "\n" for _, line in lines))
         tmp.replace(self.path)
 
-    def _lines(self) -> list[tuple[int, str]]:
-        if not self.path.exists():
-            return []
-        lines = []
-        for line in self.path.read_text().splitlines():
-            try:
-                lines.append((int(json.loads(line)["step"]), line))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a kill
-        return lines
-
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.last_step is not None and step <= self.last_step:
-            self._rewrite([(s, line) for s, line in self._lines() if s < step])
+            self._rewrite([(s, line) for s, line in _parsed(self.path.read_text()) if s < step])
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         self.last_step = step
 
     def finish(self) -> None:
         pass
+
+
+def _parsed(text: str) -> list[tuple[int, str]]:
+    """(step, line) of each whole line of a metrics.jsonl text; a line cut by a kill is left out."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append((int(json.loads(line)["step"]), line))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return lines
 
 
 class WandbBackend:

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,14 +75,9 @@ def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[st
 
 
 def store_identity(storage: StorageConfig) -> tuple[str, ...]:
-    """The store as ArtifactStore resolves `storage.root`: a local root as an absolute path (a relative root is
-    relative to the working directory, while PREFECT_HOME and its cached results are not), a URL as given, plus
-    the S3 endpoint when one is set (the same bucket name on two servers is two stores)."""
-    root = storage.root
-    if "://" in root and not root.startswith("file://"):
-        endpoint = storage.endpoint_url or (os.environ.get("AWS_ENDPOINT_URL") if root.startswith("s3://") else None)
-        return (root.rstrip("/"), endpoint) if endpoint else (root.rstrip("/"),)
-    return (Path(root.removeprefix("file://")).expanduser().resolve().as_posix(),)
+    """`ArtifactStore.identity`: a relative root is relative to the working directory, while PREFECT_HOME and its
+    cached results are not, so the key holds the root as the store resolves it."""
+    return ArtifactStore.from_config(storage).identity
 
 
 def live_key(key: str, cfg: Config, results: ResultStore) -> str:
