@@ -440,10 +440,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="rows shown by --format table (the count of hidden rows is printed); csv/json print all")
     args = parser.parse_args(argv)
     try:
+        store = _existing_store(args.root, args.endpoint_url)
         check_read(args.sql)
-        read(args.root, lambda con: _print(con.sql(args.sql), args.format, args.max_rows), args.endpoint_url)
+        read(store, lambda con: _print(con.sql(args.sql), args.format, args.max_rows))
     except (duckdb.Error, StoreError, ValueError) as exc:
         raise SystemExit("error: " + " ".join(str(exc).split())) from None
+
+
+def _existing_store(root: str, endpoint_url: str | None) -> ArtifactStore:
+    """The store at root; exit status 2 (bad input, as argparse's) when root is not one or holds nothing."""
+    try:
+        store = ArtifactStore(root, endpoint_url)
+        store.check_exists()
+    except (FileNotFoundError, ValueError) as exc:
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        raise SystemExit(2) from None
+    return store
 
 
 if __name__ == "__main__":

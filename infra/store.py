@@ -214,6 +214,11 @@ class ArtifactStore:
         endpoint = f" --endpoint-url {self.endpoint_url}" if self.endpoint_url else ""
         return f"`python -m infra.store --root {self.root}{endpoint} {' '.join(args)}`"
 
+    def not_found(self, what: str, *listing: str) -> FileNotFoundError:
+        """`what` is not in the store; the message gives the CLI command (`listing`'s arguments) that lists what is."""
+        return FileNotFoundError(f"{what} is not in the store at {self._where()}; list what is with "
+                                 f"{self._cli(*listing)}")
+
     def _corrupt(self, ref: ArtifactRef, problems: list[str]) -> CorruptArtifactError:
         return CorruptArtifactError(
             f"{ref} at {self._where()} is corrupt: {'; '.join(problems)}. Check it with "
@@ -240,6 +245,18 @@ class ArtifactStore:
                     raise StoreError(f"bucket {bucket!r} of {self._where()} is not usable ({exc!r}): create it "
                                      "or fix storage.root / the AWS_* credentials") from exc
 
+    def check_exists(self) -> None:
+        """For tools that only look (the CLIs), which must not create a store by looking: FileNotFoundError naming
+        storage.root when nothing was ever stored there (local: no such folder; S3: no bucket, or no object under
+        the prefix), StoreError when the storage cannot be reached."""
+        with self._errors("looking for the store"):
+            found = self.fs.exists(self._base) if self.is_remote else Path(self._base).is_dir()
+        if not found:
+            why = "nothing is stored under that prefix" if self.is_remote else "no such folder"
+            raise FileNotFoundError(f"there is no store at {self._where()}: {why}. Fix: pass --root the store the "
+                                    "pipeline wrote to (its storage.root; default outputs/store), "
+                                    "`python -m infra.store --root ROOT list` lists what a store holds")
+
     def exists(self, ref: ArtifactRef) -> bool:
         """True if this version is committed: its manifest exists and is valid."""
         try:
@@ -256,8 +273,7 @@ class ArtifactStore:
             try:
                 data = self.fs.cat_file(path)
             except FileNotFoundError:
-                raise FileNotFoundError(f"{ref} is not in the store at {self._where()}; list versions with "
-                                        f"`python -m infra.store versions {ref.kind}/{ref.name}`") from None
+                raise self.not_found(str(ref), "versions", f"{ref.kind}/{ref.name}") from None
         return self._parse_manifest(data, ref)
 
     def _parse_manifest(self, data: bytes, ref: ArtifactRef) -> Manifest:
@@ -474,7 +490,7 @@ class ArtifactStore:
         vdir = self._vdir(ref)
         with self._errors(f"deleting {ref}"):
             if not self.fs.exists(vdir):
-                raise FileNotFoundError(f"{ref} is not in the store at {self._where()}")
+                raise self.not_found(str(ref), "versions", f"{ref.kind}/{ref.name}")
             if self.fs.exists(f"{vdir}/{MANIFEST}"):
                 self.fs.rm_file(f"{vdir}/{MANIFEST}")
             self.fs.rm(vdir, recursive=True)

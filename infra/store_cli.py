@@ -1,12 +1,19 @@
 """The store's command line, ``python -m infra.store [--root R] [--endpoint-url U] COMMAND`` (infra/store.py runs
 ``main``): list, versions, show (manifest and lineage), verify (every byte against the manifests), delete (one
 version, corrupt or not), gc (leftovers of crashed writes). See infra/store.py for what the store guarantees.
+
+Exit status: 0; 1 when verify finds a corrupt version or the storage fails; 2 for bad input: a root, artifact, kind
+or version that is not in the store (the message names it and the command that lists what is) or a malformed name.
+Looking never creates a store: a missing local root stays missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from infra.artifacts import ArtifactRef, describe, lineage
 from infra.store import ArtifactStore, CorruptArtifactError, StoreError
@@ -37,32 +44,49 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")  # skipped versions are named
     try:
         _run(ArtifactStore(args.root, args.endpoint_url), args)
-    except (StoreError, FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError) as exc:  # bad input (no such store, artifact or version; a bad name)
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None  # argparse's status for bad input
+    except StoreError as exc:
         raise SystemExit(f"error: {exc}") from None
 
 
 def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
+    store.check_exists()  # first: check() creates a missing local root
     store.check()
     if args.command == "list":
-        for kind, name in store.artifacts(args.kind):
-            found = store.versions(kind, name)
-            if found:  # else every manifest of kind/name is corrupt; versions() warned about each
-                print(f"{kind}/{name}  versions={len(found)}  latest={found[-1].ref}")
+        _list(store, args.kind)
     elif args.command == "versions":
-        for m in store.versions(*_kind_name(args.artifact)):
+        kind, name = _kind_name(args.artifact)
+        _require(store, kind, name)
+        for m in store.versions(kind, name):
             print(describe(m))
     elif args.command == "show":
         ref = ArtifactRef.parse(args.ref)
-        print(store.manifest(ref).to_json().decode())
+        with _named(store, ref):
+            print(store.manifest(ref).to_json().decode())
         print("lineage:\n" + "\n".join(lineage(store, str(ref), 1, set())))
     elif args.command == "verify":
         if _verify(store, args.target):
             raise SystemExit(1)
     elif args.command == "delete":
-        store.delete(ArtifactRef.parse(args.ref))
+        ref = ArtifactRef.parse(args.ref)
+        with _named(store, ref):
+            store.delete(ref)
         print(f"deleted {args.ref}")
     else:
         print(f"removed {store.gc()} leftovers")
+
+
+def _list(store: ArtifactStore, kind: str | None) -> None:
+    found = store.artifacts(kind)
+    if kind and not found:
+        kinds = ", ".join(sorted({k for k, _ in store.artifacts()})) or "none"
+        raise store.not_found(f"kind {kind!r} (kinds there: {kinds})", "list")
+    for kind, name in found:
+        versions = store.versions(kind, name)
+        if versions:  # else every manifest of kind/name is corrupt; versions() warned about each
+            print(f"{kind}/{name}  versions={len(versions)}  latest={versions[-1].ref}")
 
 
 def _kind_name(text: str) -> tuple[str, str]:
@@ -72,13 +96,34 @@ def _kind_name(text: str) -> tuple[str, str]:
     return kind, name
 
 
+def _require(store: ArtifactStore, kind: str, name: str) -> None:
+    """FileNotFoundError, saying how to list what is there, unless kind/name has a version (a manifest)."""
+    if (kind, name) not in store.artifacts(kind):
+        raise store.not_found(f"{kind}/{name}", "list")
+
+
+@contextmanager
+def _named(store: ArtifactStore, ref: ArtifactRef) -> Iterator[None]:
+    """A version that is not there: say so for its artifact when that is missing too (`list` shows what is)."""
+    try:
+        yield
+    except FileNotFoundError:
+        _require(store, ref.kind, ref.name)
+        raise
+
+
 def _verify(store: ArtifactStore, target: str | None) -> int:
     """Verify every version `target` names (None: the whole store), a line each; -> the number of corrupt ones."""
     if target is None:
         refs = store.manifest_refs()
     elif "@" in target:
-        refs = [ArtifactRef.parse(target)]
+        ref = ArtifactRef.parse(target)
+        refs = [ref]
+        if ref not in store.manifest_refs(ref.kind, ref.name):  # a corrupt manifest is there: verify says so
+            _require(store, ref.kind, ref.name)
+            raise store.not_found(target, "versions", f"{ref.kind}/{ref.name}")
     else:
+        _require(store, *_kind_name(target))
         refs = store.manifest_refs(*_kind_name(target))
     num_corrupt = 0
     for ref in refs:
