@@ -89,7 +89,7 @@ from infra.artifacts import (
     hash_dir,
     stream_sha256,
 )
-from infra.config import StorageConfig, endpoint_url_problem
+from infra.config import ConfigError, StorageConfig, endpoint_url_problem
 from infra.s3 import s3_filesystem, stall_bound_s
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,19 @@ def _process_umask() -> int:
 _UMASK = _process_umask()
 
 
+def _local_root(root: str) -> str:
+    """The absolute path of a local root; ConfigError (a ValueError) naming storage.root for a ~user that does not
+    exist (expanduser's RuntimeError names neither)."""
+    path = Path(root.removeprefix("file://"))
+    try:
+        return path.expanduser().resolve().as_posix()
+    except RuntimeError:
+        user = path.parts[0][1:]
+        why = f"there is no user {user!r} on this machine" if user else "this process has no home folder (no HOME)"
+        raise ConfigError(f"storage.root={root!r}: {why}, so {path.parts[0]!r} names no folder. Fix: write the "
+                          "path out in full" + (", or use ~/... for your own home" if user else "")) from None
+
+
 class ArtifactStore:
     """Versioned artifacts and mutable tables under one root; see the module docstring."""
 
@@ -139,8 +152,8 @@ class ArtifactStore:
         self.endpoint_url = endpoint_url or (os.environ.get("AWS_ENDPOINT_URL") if root.startswith("s3://") else None)
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "rlpipe" / "artifacts").expanduser()
         if self.endpoint_url and (problem := endpoint_url_problem(self.endpoint_url)):
-            raise ValueError(f"endpoint_url={self.endpoint_url!r} (storage.endpoint_url, --endpoint-url or "
-                             f"AWS_ENDPOINT_URL): {problem}")
+            raise ConfigError(f"endpoint_url={self.endpoint_url!r} (storage.endpoint_url, --endpoint-url or "
+                              f"AWS_ENDPOINT_URL): {problem}")
         if root.startswith("s3://"):
             self.fs = s3_filesystem(self.endpoint_url, self.limits)
             self._base = root[len("s3://"):].strip("/")
@@ -149,7 +162,7 @@ class ArtifactStore:
             self._base = self.fs._strip_protocol(root).rstrip("/")
         else:
             self.fs = fsspec.filesystem("file")
-            self._base = Path(root.removeprefix("file://")).expanduser().resolve().as_posix()
+            self._base = _local_root(root)
 
     @property
     def identity(self) -> tuple[str, ...]:

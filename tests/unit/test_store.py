@@ -301,3 +301,23 @@ def test_table_files_are_as_readable_as_artifacts(tmp_path):
     for rel in ("rollouts/run_id=r/step=1/part-0.parquet", "leases/x.json"):
         mode = stat.S_IMODE((tmp_path / "store" / rel).stat().st_mode)
         assert mode == 0o666 & ~umask, (rel, oct(mode))
+
+
+def test_a_root_under_an_unknown_user_is_a_config_error_naming_storage_root(tmp_path, capsys):
+    from flows.post_train import main
+
+    with pytest.raises(ValueError, match=r"storage\.root='~no-such-user-rlpipe/x': there is no user "
+                                         r"'no-such-user-rlpipe' on this machine.*Fix: "):
+        ArtifactStore("~no-such-user-rlpipe/x")
+    assert main(["storage.root=~no-such-user-rlpipe/x", f"run.output_dir={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: storage.root='~no-such-user-rlpipe/x': there is no user")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_aws_endpoint_url_is_a_config_error_before_the_flow(tmp_path, capsys, monkeypatch):
+    """AWS_ENDPOINT_URL is read by the store, not the config: its error must still stop the command line (exit 2)."""
+    from flows.post_train import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    assert main(["storage.root=s3://bucket/p", f"run.output_dir={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.startswith("error: endpoint_url='127.0.0.1:9000' (storage.endpoint_url, ")
