@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import tempfile
 import time
-from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,37 +39,23 @@ from infra.config import Config
 from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
 from infra.tracking import Tracker, progress_bar
 from infra.trajectories import RunTables
-from stages.agent import Rollout, Scored
 from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
-from stages.batch import Batch, balance_batch, rank_rows, token_level_scores
+from stages.batch import Batch, balance_batch, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.model.safe_load import load_state
-from stages.rewards.overlong import overlong_penalty
-from stages.rewards.pool import RewardPool
 from stages.rl_async import AsyncSchedule
 from stages.rl_correction import corrected_batch
-from stages.rl_data import (
-    PromptSampler,
-    average_metrics,
-    concat_batches,
-    data_metrics,
-    preference_batch,
-    rollout_batch,
-    rollout_metrics,
-    signal_metrics,
-    trajectory_rows,
-    turn_rows,
-    varied_rows,
-)
-from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
+from stages.rl_data import data_metrics, preference_batch, trajectory_rows, turn_rows
+from stages.rl_rollout import RolloutDriver
+from stages.rollout.base import SamplingParams
 from stages.sft import Checkpoints
-from stages.validation import group_metrics
-from stages.workers.actor_rollout import ActorRolloutWorker, prefix_router
+from stages.validation import group_metrics, start_summary, validation_samples
+from stages.workers.actor_rollout import ActorRolloutWorker
 from stages.workers.critic import CriticWorker
 from stages.workers.group import Placement, WorkerGroup, free_port_on, init_ray
-from stages.workers.reward_model import RewardModelWorker
+from stages.workers.reward_model import RewardModel
 from stages.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -150,7 +134,6 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data)
         self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data)
-        self.sampler = PromptSampler(len(self.train), self.rl.train_batch_size, cfg.run.seed)
         self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
         self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
         multi_turn = self.rl.multi_turn  # a bad tools or interactions file fails here, before workers start
@@ -162,7 +145,7 @@ class RLTrainer:
             self.actor = WorkerGroup(ActorRolloutWorker, cfg, model_dir, self.placement)
             self.engines = self._start_rollout_workers(model_dir) if cfg.ray.num_rollout_workers else self.actor
             self.critic = WorkerGroup(CriticWorker, cfg, model_dir, self.placement) if self.rl.uses_critic else None
-            self.reward_model = self._start_reward_model() if use_rm else None
+            self.reward_model = RewardModel(cfg, self.placement) if use_rm else None
         except BaseException:
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
@@ -171,10 +154,8 @@ class RLTrainer:
         if ignored:
             logger.warning("rl: %s not used by rl.async_training.mode=%s%s", ", ".join(ignored),
                            self.rl.async_training.mode, "" if cfg.ray.num_rollout_workers else " (colocated)")
-        self.rewards = RewardPool(self.rl.reward)
-        self.prefix_router = prefix_router(cfg, self.engines.world_size // self.rl.rollout.tensor_model_parallel_size)
+        self.gen = RolloutDriver(cfg, self.tokenizer, self.train, self.engines, self.reward_model, tools, interactions)
         self.schedule: AsyncSchedule | None = None  # rollout workers of their own: the asynchronous modes
-        self.rollout = Rollout(self._rollout_generate, self.tokenizer, self.rewards, tools, multi_turn, interactions)
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
         self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
@@ -222,7 +203,7 @@ class RLTrainer:
         with timer("step"):
             with timer("gen"):  # the asynchronous modes: waiting for the producer's groups
                 batch, metrics = (self.schedule.next_batch(step) if self.schedule else
-                                  self.generate_and_score(step, timer))
+                                  self.gen.generate_and_score(step, timer))
             # the actor's data-parallel parts: a Ulysses group's ranks share one
             parts = self.world_size // self.rl.actor.ulysses_sequence_parallel_size
             batch, seqlen_metrics = balance_batch(batch, parts, self.mini_rows)
@@ -259,52 +240,6 @@ class RLTrainer:
         self.tables.write_turns(step, turn_rows(batch))
         return metrics
 
-    # ---- generation and reward ---------------------------------------------------------------------
-
-    def generate_and_score(self, step: int, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
-        """A scored batch of train_batch_size groups (more generations when filtering groups)."""
-        alg = self.rl.algorithm
-        kept, num_groups, gen, generated, reward_metrics = [], 0, 0, [], []
-        while num_groups < self.rl.train_batch_size:
-            if alg.filter_groups and alg.max_num_gen_batches and gen >= alg.max_num_gen_batches:
-                raise RuntimeError(
-                    f"dynamic sampling found {num_groups}/{self.rl.train_batch_size} groups with varied rewards "
-                    f"after {gen} generation batches; raise rl.algorithm.max_num_gen_batches or check the reward")
-            batch, metrics = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen,
-                                           timer)
-            gen += 1
-            generated.append(batch)
-            reward_metrics.append(metrics)
-            if alg.filter_groups:
-                batch = self.varied_groups(batch)
-            kept.append(batch)
-            num_groups += len(set(batch.meta["group_id"]))
-        batch = kept[0] if len(kept) == 1 else concat_batches(kept, self.tokenizer.pad_token_id)
-        groups = list(dict.fromkeys(batch.meta["group_id"]))[: self.rl.train_batch_size]
-        batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
-        return batch, {"train/num_gen_batches": gen, **average_metrics(reward_metrics), **signal_metrics(generated),
-                       **rollout_metrics(generated)}
-
-    def generate(self, indices: list[int], group_prefix: str, seed: int, timer) -> tuple[Batch, dict[str, float]]:
-        """The scored samples of prompt rows `indices` (n each), and the reward metrics."""
-        ro = self.rl.rollout
-        params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                                max_tokens=self.cfg.data.max_response_length,
-                                stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
-        with self.engines_awake():
-            trajectories = self.rollout.run(self.train, indices, params)
-        batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
-        with timer("reward"):
-            metrics = self.score(batch, self.rollout.score(self.train, indices, trajectories))
-            if self.rl.algorithm.adv_estimator.needs_greedy_baseline:
-                batch.tensors["reward_baselines"] = self._greedy_baselines(batch, indices)
-        return batch, metrics
-
-    def _rollout_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
-        """What the rollout calls: the engines, or (asynchronous modes) the producer's versioned generate."""
-        generate = self.schedule.rollout.generate if self.schedule else self.engine_generate
-        return generate(prompt_ids, params)
-
     def _start_rollout_workers(self, model_dir: str) -> WorkerGroup:
         """Rollout workers on devices of their own, and the broadcast group from the trainer's rank 0 to them."""
         engines = WorkerGroup(RolloutWorker, self.cfg, model_dir, self.placement, rollout=True)
@@ -321,91 +256,6 @@ class RLTrainer:
         if decided:
             logger.info("rl: automatic settings: %s", ", ".join(f"{k}={v}" for k, v in decided.items()))
         return decided
-
-    @contextmanager
-    def engines_awake(self):
-        """One engine wake for every generate call of a rollout (multi-turn loops call once per turn)."""
-        self.engines.call("hold_engine_awake", True)
-        try:
-            yield
-        finally:
-            self.engines.call("hold_engine_awake", False)
-
-    def engine_generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sequence[RolloutOutput]:
-        """Data-parallel generation: engine g (ranks g*tp .. g*tp+tp-1, tp = tensor_model_parallel_size; every
-        rank of a group gets the same prompts and seed) samples its consecutive share of the prompts;
-        outputs (the group's first rank's) come back prompt-major with indices into `prompt_ids`. With prefix
-        reuse on several cuda engines, a prompt that continues a sequence an engine parked goes to that engine."""
-        tp, ranks = self.rl.rollout.tensor_model_parallel_size, self.engines.world_size
-        engines = ranks // tp
-        router = self.prefix_router
-        shards = router.shards(prompt_ids) if router else rank_rows(len(prompt_ids), engines, max(1, len(prompt_ids)))
-        seeds = [None if params.seed is None else params.seed + 1_000_003 * g for g in range(engines)]
-        calls = [([prompt_ids[i] for i in shards[r // tp]], replace(params, seed=seeds[r // tp])) for r in range(ranks)]
-        results = self.engines.call_each("generate", calls)[::tp]  # PackedOutputs: arrays, not token objects
-        outputs = PackedOutputs.concat(results, shards)
-        if router is None:
-            return outputs
-        router.record(shards, prompt_ids, results)
-        return sorted(outputs, key=lambda o: o.prompt_index)  # stable: each prompt's n samples keep their order
-
-    def score(self, batch: Batch, scored: Scored) -> dict[str, float]:
-        """The batch's scores (reward function + tools, + the reward model) and rewards (+ overlong penalty);
-        -> the reward metrics."""
-        reward, result = self.rl.reward, scored.result
-        scores = torch.tensor(scored.scores, dtype=torch.float32)
-        if self.reward_model:  # score = rule + weight * rm; the raw RM score is the component "rm"
-            rm = self.rm_scores(batch.meta["prompt_row"], batch.meta["response"])
-            scores = scores + reward.reward_model_weight * torch.tensor(rm, dtype=torch.float32)
-            result.components["rm"] = rm
-            result.metrics["reward/rm/mean"] = sum(rm) / max(len(rm), 1)
-        lengths = batch.response_lengths().tolist()  # tool and user tokens too, as verl counts them
-        penalty = torch.tensor(overlong_penalty(lengths, self.cfg.data.max_response_length, reward.overlong_buffer,
-                                                reward.overlong_penalty_factor), dtype=torch.float32)
-        batch.tensors["scores"], batch.tensors["rewards"] = scores, scores + penalty
-        for name, values in result.components.items():
-            batch.meta[f"reward_{name}"] = values
-        return {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
-
-    def _greedy_baselines(self, batch: Batch, indices: list[int]) -> torch.Tensor:
-        """ReMax: each sample's baseline is the score of its prompt's greedy response."""
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
-                                stop_token_ids=(self.tokenizer.eos_token_id,))
-        with self.engines_awake():
-            trajectories = self.rollout.run(self.train, indices, params)
-        greedy = self.rollout.score(self.train, indices, trajectories).scores
-        if self.reward_model:
-            rm = self.rm_scores([indices[t.prompt_index] for t in trajectories], [t.text for t in trajectories])
-            greedy = [s + self.rl.reward.reward_model_weight * r for s, r in zip(greedy, rm)]
-        by_row = {indices[t.prompt_index]: s for t, s in zip(trajectories, greedy)}
-        return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
-
-    def varied_groups(self, batch: Batch) -> Batch:
-        """DAPO dynamic sampling: keep groups whose filter metric is not the same for every sample."""
-        metric, scores = self.rl.algorithm.filter_groups_metric, batch.tensors["scores"].tolist()
-        values = {"score": scores, "seq_reward": batch.tensors["rewards"].tolist()}.get(
-            metric, batch.meta.get("reward_acc", scores))
-        return batch.select(varied_rows(batch.meta["group_id"], [float(v) for v in values], scores))
-
-    def _start_reward_model(self):
-        """The reward model's Ray actor on bundle 0, with one role's share of it (like a critic rank)."""
-        import ray
-
-        handle = ray.remote(**self.placement.share)(RewardModelWorker).options(
-            scheduling_strategy=self.placement.strategy(0)).remote(self.cfg)
-        try:
-            ray.get(handle.__ray_ready__.remote())  # a bad path or a model without a reward head fails here
-        except BaseException:
-            ray.kill(handle)
-            raise
-        return handle
-
-    def rm_scores(self, prompt_rows: list[int], responses: list[str]) -> list[float]:
-        """The reward model's score of each (train prompt row's chat messages, response) pair."""
-        import ray
-
-        prompts = [[{"role": m["role"], "content": m["content"]} for m in self.train.prompts[r]] for r in prompt_rows]
-        return ray.get(self.reward_model.score.remote(prompts, list(responses)))
 
     # ---- advantages ----------------------------------------------------------------------------------
 
@@ -479,10 +329,8 @@ class RLTrainer:
 
     def _report_start(self, num_prompts: int, metrics: dict[str, float]) -> None:
         """Say what RL starts from; warn before step 1 when almost every group will be all wrong."""
-        n, temperature = self.rl.rollout.n, self.rl.rollout.temperature
-        pass_n = metrics[f"val/acc/best@{n}"]
-        text = (f"starting model on {num_prompts} held-out prompts: greedy acc {metrics['val/acc/mean@1']:.3f}, "
-                f"mean@{n} {metrics[f'val/acc/mean@{n}']:.3f}, pass@{n} {pass_n:.3f} (temperature {temperature:g})")
+        ro = self.rl.rollout
+        text, pass_n = start_summary(num_prompts, metrics, ro.n, ro.temperature)
         if self.rl.no_signal_steps and 1 - pass_n >= self.rl.no_signal_frac:
             logger.warning("rl: %s: in about %.0f%% of groups no sample will earn the reward, so RL has little to "
                            "learn from; see the advice if the no-signal warning follows", text, 100 * (1 - pass_n))
@@ -493,15 +341,8 @@ class RLTrainer:
         num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
         params = replace(params, max_tokens=self.cfg.data.max_response_length,
                          stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
-        rows = list(range(num))
-        with self.engines_awake():
-            trajectories = self.rollout.run(self.val, rows, params)
-        result = self.rollout.score(self.val, rows, trajectories).result  # correctness: no tool rewards
-        accs = [None if math.isnan(a) else a for a in result.components.get("acc", [math.nan] * len(trajectories))]
-        return [{"prompt_index": t.prompt_index, "data_source": self.val.data_sources[t.prompt_index], "score": s,
-                 "acc": acc, "response": t.text, "ground_truth": str(self.val.ground_truths[t.prompt_index]),
-                 "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
-                for t, s, acc in zip(trajectories, result.scores, accs)]
+        with self.gen.engines_awake():
+            return validation_samples(self.gen.rollout, self.val, list(range(num)), params)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tables.write_metrics(step, metrics)
@@ -556,15 +397,13 @@ class RLTrainer:
     def close(self) -> None:
         if self.schedule:
             self.schedule.close()
-        self.rewards.close()
+        self.gen.close()
         self._release_workers()
 
     def _release_workers(self) -> None:
         for group in {id(g): g for g in (self.actor, self.engines, self.critic) if g}.values():
             group.kill()
         if self.reward_model:
-            import ray
-
-            ray.kill(self.reward_model)
+            self.reward_model.kill()
         if self.placement:
             self.placement.remove()

@@ -264,10 +264,11 @@ class AsyncSchedule:
         self.push_every = settings.trigger_parameter_sync_step if settings.mode == "fully_async" else 1
         self.meta = trainer.actor.call_one("weight_meta")
         alg = trainer.rl.algorithm
-        self.rollout = AsyncRollout(settings, trainer.rl.train_batch_size, trainer.engine_generate, self.produce,
+        self.rollout = AsyncRollout(settings, trainer.rl.train_batch_size, trainer.gen.engine_generate, self.produce,
                                     next_group, version, alg.max_num_gen_batches if alg.filter_groups else 0)
         if version > 0:  # resumed: the engines still hold the initial weights
             self.push(version)
+        trainer.gen.versioned_generate = self.rollout.generate  # before the producer's first generate
         self.rollout.start()
         logger.info("rl: %s rollout on %d rollout workers: staleness <= %d (%s), weights pushed every %d steps%s%s",
                     settings.mode, trainer.engines.world_size, self.rollout.staleness, self.rollout.policy,
@@ -287,15 +288,15 @@ class AsyncSchedule:
         prompt g % train_batch_size of step g // train_batch_size + 1), and so are the seed and group ids of a chunk
         that is one whole step's batch."""
         t, size = self.trainer, self.trainer.rl.train_batch_size
-        orders = {s: t.sampler.indices(s) for s in {g // size + 1 for g in range(first, first + count)}}
+        orders = {s: t.gen.sampler.indices(s) for s in {g // size + 1 for g in range(first, first + count)}}
         indices = [orders[g // size + 1][g % size] for g in range(first, first + count)]
         step, offset = first // size + 1, first % size
         start = time.perf_counter()
         # timed as a whole (async/generate_s), not by a step's timer
-        batch, metrics = t.generate(indices, f"{step}-{offset}", step * 1000 + offset, lambda name: nullcontext())
+        batch, metrics = t.gen.generate(indices, f"{step}-{offset}", step * 1000 + offset, lambda name: nullcontext())
         generated = time.perf_counter() - start
         if t.rl.algorithm.filter_groups:
-            batch = t.varied_groups(batch)
+            batch = t.gen.varied_groups(batch)
         rows: dict[str, list[int]] = {}
         for i, group_id in enumerate(batch.meta["group_id"]):
             rows.setdefault(group_id, []).append(i)

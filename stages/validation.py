@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 from stages.rewards.gsm8k import extract_solution
+
+if TYPE_CHECKING:
+    from stages.agent import Rollout
+    from stages.data_prep import PromptSet
+    from stages.rollout.base import SamplingParams
 
 
 def final_answer(text: str) -> str:
@@ -59,3 +65,23 @@ def _value(sample: dict) -> float:
     """The sample's `acc` if it has one (not None or NaN: a reward without acc), else its score."""
     acc = sample.get("acc")
     return float(sample["score"]) if acc is None or math.isnan(acc) else float(acc)
+
+
+def validation_samples(rollout: Rollout, prompts: PromptSet, rows: list[int], params: SamplingParams) -> list[dict]:
+    """`params.n` samples of each prompt row, scored for correctness (no tool rewards): the `validation` table's
+    rows, and what `group_metrics` takes."""
+    trajectories = rollout.run(prompts, rows, params)
+    result = rollout.score(prompts, rows, trajectories).result
+    accs = [None if math.isnan(a) else a for a in result.components.get("acc", [math.nan] * len(trajectories))]
+    return [{"prompt_index": t.prompt_index, "data_source": prompts.data_sources[rows[t.prompt_index]], "score": s,
+             "acc": acc, "response": t.text, "ground_truth": str(prompts.ground_truths[rows[t.prompt_index]]),
+             "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
+            for t, s, acc in zip(trajectories, result.scores, accs)]
+
+
+def start_summary(num_prompts: int, metrics: dict[str, float], n: int, temperature: float) -> tuple[str, float]:
+    """What RL starts from, in words, from step 0's validation metrics (greedy and n samples); -> (text, pass@n)."""
+    pass_n = metrics[f"val/acc/best@{n}"]
+    text = (f"starting model on {num_prompts} held-out prompts: greedy acc {metrics['val/acc/mean@1']:.3f}, "
+            f"mean@{n} {metrics[f'val/acc/mean@{n}']:.3f}, pass@{n} {pass_n:.3f} (temperature {temperature:g})")
+    return text, pass_n

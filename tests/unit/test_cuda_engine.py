@@ -573,12 +573,12 @@ def test_data_parallel_engines_with_fewer_prompts_than_engines():
     engine nothing, and the prompts still come back (the fully async run on four GPUs stopped here)."""
     from types import SimpleNamespace
 
-    from stages.rl import RLTrainer
+    from stages.rl_rollout import RolloutDriver
 
     engines = [CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=32) for _ in range(2)]
     group = SimpleNamespace(world_size=2, call_each=lambda name, calls: [
         getattr(engine, name)(*args) for engine, args in zip(engines, calls)])
     driver = SimpleNamespace(rl=SimpleNamespace(rollout=SimpleNamespace(tensor_model_parallel_size=1)),
                              engines=group, prefix_router=None)
-    outputs = RLTrainer.engine_generate(driver, [[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
+    outputs = RolloutDriver.engine_generate(driver, [[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
     assert [o.prompt_index for o in outputs] == [0, 0] and all(o.response_ids for o in outputs)
