@@ -23,7 +23,8 @@ manifest exists and is valid.
   writer stored the same content meanwhile), the version is complete: it is kept and the put succeeds, as on a
   local store; if the store cannot say, nothing is removed. ``gc()`` removes staging folders and manifest-less
   version folders; run it only when no write is in progress (it cannot tell a crashed write from a running one).
-- ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT.
+- ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT. ``gc()`` removes a temp file
+  (or a partial download into the cache) left by a killed process once it is untouched for an hour (GcReport).
 
 Integrity: every read of a version's files checks them against its manifest: the same file names (a listed file
 missing or a file the manifest does not list is corruption), sizes and sha256, hashed while streaming (1 MiB at a
@@ -47,8 +48,10 @@ can also write a manifest that matches their files. Against that, checkpoints ar
 arbitrary objects (stages/model/safe_load.py): a forged checkpoint can hold wrong numbers, but cannot run code.
 
 Repair: ``verify`` reports each corrupt version, ``delete`` removes one (a damaged manifest too), ``gc`` removes
-leftovers of crashed writes only (never a version with a manifest, corrupt or not). A resume skips corrupt
-checkpoints by itself (infra/checkpoints.py).
+leftovers of crashed writes and lists the versions whose manifest is corrupt (no reader sees them, so checkpoint
+pruning never removes them either); ``gc(remove_corrupt=True)`` (CLI ``gc --corrupt``) removes those too. A version
+whose files are damaged under a valid manifest stays until ``delete``. A resume skips corrupt checkpoints by itself
+(infra/checkpoints.py).
 
 S3 credentials come only from the environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``); the
 endpoint is ``endpoint_url`` or ``AWS_ENDPOINT_URL``. Every S3 request has a timeout and a bounded number of
@@ -58,7 +61,7 @@ within ``infra.s3.stall_bound_s`` (18 s with the defaults, 42 s for a 16 MiB upl
 ``StoreError`` naming the operation, ``storage.root``, ``storage.endpoint_url``, the time waited and the fix.
 
 CLI: ``python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions KIND/NAME |
-show KIND/NAME@VERSION | verify [KIND/NAME[@VERSION]] | delete KIND/NAME@VERSION | gc``.
+show KIND/NAME@VERSION | verify [KIND/NAME[@VERSION]] | delete KIND/NAME@VERSION | gc [--corrupt]``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -107,6 +111,54 @@ class StoreError(RuntimeError):
 class CorruptArtifactError(StoreError):
     """A stored version differs from its manifest, or its manifest is unreadable; the message names the version,
     each bad file with expected vs found, and the commands that check and remove it."""
+
+
+GC_MIN_AGE_S = 3600.0
+PARTIAL = ".partial-"  # get_dir downloads into .<version>.partial-<random> beside its destination, then renames it
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What one gc found and removed.
+
+    leftovers: staging folders and version folders without a manifest (crashed artifact writes), removed.
+    temp_files: removed temp files of table writes (``.<name>.<random>.tmp`` beside the file, local roots) and partial
+      downloads into the cache (``.<version>.partial-<random>/``) untouched (newest mtime in them) for
+      ``temp_min_age_s``: GC_MIN_AGE_S = 1 h, or twice the longest one S3 request can go silent (`stall_bound_s`)
+      if that is longer. A live write renames its temp file right after writing it, and a download writes as the
+      bytes arrive or fails within `stall_bound_s`; a process silent for an hour also lost its stage lease 30 times
+      over (lease.TTL_S = 120 s). So only the temp files of killed processes are that old.
+    num_fresh_temp: younger ones, kept (they may belong to a write in progress).
+    corrupt: versions whose manifest exists but is not valid. Readers skip them, so checkpoint pruning never
+      removes them; they are removed only when asked (corrupt_removed), since their files may still be worth
+      saving by hand. A version being written has no manifest yet: it is never among them.
+    """
+
+    leftovers: list[str]
+    temp_files: list[str]
+    num_fresh_temp: int
+    corrupt: list[ArtifactRef]
+    corrupt_removed: bool
+
+    @property
+    def num_removed(self) -> int:
+        return len(self.leftovers) + len(self.temp_files) + (len(self.corrupt) if self.corrupt_removed else 0)
+
+
+def _is_temp(filename: str) -> bool:
+    """A temp file of _temp_file (write_bytes, create_exclusive) by its name."""
+    return filename.startswith(".") and filename.endswith(".tmp")
+
+
+def _last_touched(path: Path) -> float:
+    """The newest mtime of path and everything under it; now if it vanishes meanwhile (its writer just finished)."""
+    try:
+        times = [path.lstat().st_mtime]
+        for folder, subfolders, files in os.walk(path):
+            times += [Path(folder, name).lstat().st_mtime for name in subfolders + files]
+    except FileNotFoundError:
+        return time.time()
+    return max(times)
 
 
 def _temp_file(path: Path) -> tuple[int, str]:
@@ -426,7 +478,7 @@ class ArtifactStore:
                            "; ".join(problems))
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+        partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}{PARTIAL}"))
         try:
             self._download(manifest, partial)
             if dest.exists():
@@ -508,12 +560,21 @@ class ArtifactStore:
                 self.fs.rm_file(f"{vdir}/{MANIFEST}")
             self.fs.rm(vdir, recursive=True)
 
-    def gc(self) -> int:
-        """Remove leftovers of crashed writes (staging folders, version folders without manifest); -> count.
+    @property
+    def temp_min_age_s(self) -> float:
+        """How long gc leaves a temp file or partial download untouched before removing it (see GcReport)."""
+        return max(GC_MIN_AGE_S, 2 * stall_bound_s(self.limits))
 
-        Only run it when no write is in progress: an upload in flight looks exactly like a crashed one. A version
-        with a manifest, valid or corrupt, is never a leftover (the manifest is written last, atomically):
-        ``verify`` finds corrupt ones, ``delete`` removes them.
+    def gc(self, *, remove_corrupt: bool = False) -> int:
+        """Remove what crashed writes left (see `sweep`); -> how many paths were removed."""
+        return self.sweep(remove_corrupt=remove_corrupt).num_removed
+
+    def sweep(self, *, remove_corrupt: bool = False) -> GcReport:
+        """Remove leftovers of crashed writes and stale temp files; find versions with a corrupt manifest and remove
+        them only if remove_corrupt. -> what was found and removed (GcReport says what each kind is and when it goes).
+
+        Only run it when no artifact write is in progress: a staging folder or an upload in flight looks exactly like
+        a crashed one. Temp files and partial downloads are safe at any time (they go only once stale).
         """
         with self._errors("garbage collection"):
             leftovers = self._ls_dirs(self._path(STAGING))
@@ -524,7 +585,52 @@ class ArtifactStore:
             for path in leftovers:
                 logger.info("gc: removing %s", path)
                 self.fs.rm(path, recursive=True)
-        return len(leftovers)
+            corrupt = self._corrupt_manifests(sorted(committed))
+            for ref in corrupt if remove_corrupt else []:
+                logger.warning("gc: removing %s (its manifest is corrupt)", ref)
+                self.delete(ref)
+        temp_files, num_fresh = self._remove_stale_temp()
+        return GcReport(leftovers, temp_files, num_fresh, corrupt, remove_corrupt)
+
+    def _corrupt_manifests(self, vdirs: list[str]) -> list[ArtifactRef]:
+        """The versions among vdirs (folders holding a manifest) whose manifest is not a valid one of them."""
+        found = self.fs.cat([f"{d}/{MANIFEST}" for d in vdirs], on_error="return") if vdirs else {}
+        corrupt = []
+        for path, data in sorted(found.items()):
+            if isinstance(data, FileNotFoundError):
+                continue  # deleted meanwhile
+            if isinstance(data, BaseException):
+                raise data  # _errors reports a connection failure
+            try:
+                ref = ArtifactRef(*path.rsplit("/", 4)[1:4])
+            except ValueError:
+                continue  # not a version folder: manifest_refs() warns about it
+            try:
+                self._parse_manifest(data, ref)
+            except CorruptArtifactError:
+                corrupt.append(ref)
+        return corrupt
+
+    def _remove_stale_temp(self) -> tuple[list[str], int]:
+        """Remove the temp files of table writes (local roots) and the partial downloads in the cache untouched for
+        temp_min_age_s; -> (removed paths, how many younger ones were kept)."""
+        cutoff = time.time() - self.temp_min_age_s
+        found = [*self.cache_dir.glob(f"*/*/.*{PARTIAL}*")]
+        if not self.is_remote and os.path.isdir(self._base):
+            for folder, subfolders, files in os.walk(self._base):
+                if folder == self._base:  # artifacts/ and .staging/ hold files of versions, named as their owner chose
+                    subfolders[:] = [d for d in subfolders if d not in (ARTIFACTS, STAGING)]
+                found += [Path(folder, f) for f in files if _is_temp(f)]
+        removed = []
+        for path in found:
+            if _last_touched(path) < cutoff:
+                logger.info("gc: removing %s (untouched for over %.0f s)", path, self.temp_min_age_s)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(str(path))
+        return removed, len(found) - len(removed)
 
     def _table_path(self, relpath: str) -> str:
         parts = relpath.split("/")
@@ -600,7 +706,7 @@ class ArtifactStore:
         with self._errors(f"glob {pattern}"):
             found = self.fs.glob(self._path(pattern))
         rels = [p[len(self._base) + 1:] for p in found]
-        return sorted(r for r in rels if not (r.rsplit("/", 1)[-1].startswith(".") and r.endswith(".tmp")))
+        return sorted(r for r in rels if not _is_temp(r.rsplit("/", 1)[-1]))
 
     def url(self, relpath: str) -> str:
         """Full path or URL of relpath for DuckDB/pyarrow/fsspec (open it with storage_options())."""

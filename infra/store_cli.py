@@ -1,6 +1,7 @@
 """The store's command line, ``python -m infra.store [--root R] [--endpoint-url U] COMMAND`` (infra/store.py runs
 ``main``): list, versions, show (manifest and lineage), verify (every byte against the manifests), delete (one
-version, corrupt or not), gc (leftovers of crashed writes). See infra/store.py for what the store guarantees.
+version, corrupt or not), gc (leftovers of crashed writes, stale temp files; versions with a corrupt manifest
+with --corrupt). See infra/store.py for what the store guarantees.
 
 Exit status: 0; 1 when verify finds a corrupt version or the storage fails; 2 for bad input: a root, artifact, kind
 or version that is not in the store (the message names it and the command that lists what is) or a malformed name.
@@ -21,7 +22,7 @@ from infra.store import ArtifactStore, CorruptArtifactError, StoreError
 
 def main(argv: list[str] | None = None) -> None:
     """python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions K/N | show K/N@V |
-    verify [K/N[@V]] | delete K/N@V | gc"""
+    verify [K/N[@V]] | delete K/N@V | gc [--corrupt]"""
     from infra.config import StorageConfig
 
     default = StorageConfig()
@@ -38,8 +39,10 @@ def main(argv: list[str] | None = None) -> None:
         "target", nargs="?", metavar="KIND/NAME[@VERSION]")
     sub.add_parser("delete", help="remove one version, also a corrupt one (how to repair what verify reports)"
                    ).add_argument("ref", metavar="KIND/NAME@VERSION")
-    sub.add_parser("gc", help="remove leftovers of crashed writes (never a version with a manifest, corrupt or not: "
-                   "use delete)")
+    sub.add_parser("gc", help="remove leftovers of crashed writes, and temp files and partial downloads untouched "
+                   "for an hour; list versions with a corrupt manifest").add_argument(
+        "--corrupt", action="store_true", help="also remove the versions with a corrupt manifest (no reader loads "
+        "them, but their files may be worth saving by hand first)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")  # skipped versions are named
     try:
@@ -75,7 +78,7 @@ def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
             store.delete(ref)
         print(f"deleted {args.ref}")
     else:
-        print(f"removed {store.gc()} leftovers")
+        _gc(store, args.corrupt)
 
 
 def _list(store: ArtifactStore, kind: str | None) -> None:
@@ -87,6 +90,22 @@ def _list(store: ArtifactStore, kind: str | None) -> None:
         versions = store.versions(kind, name)
         if versions:  # else every manifest of kind/name is corrupt; versions() warned about each
             print(f"{kind}/{name}  versions={len(versions)}  latest={versions[-1].ref}")
+
+
+def _gc(store: ArtifactStore, remove_corrupt: bool) -> None:
+    report = store.sweep(remove_corrupt=remove_corrupt)
+    print(f"removed {len(report.leftovers)} leftovers of crashed artifact writes (staging and manifest-less version "
+          "folders)")
+    print(f"removed {len(report.temp_files)} temp files and partial downloads untouched for over "
+          f"{store.temp_min_age_s:.0f} s (kept {report.num_fresh_temp} younger ones: a write may be running)")
+    corrupt = ", ".join(map(str, report.corrupt))
+    if not report.corrupt:
+        print("0 versions with a corrupt manifest")
+    elif report.corrupt_removed:
+        print(f"removed {len(report.corrupt)} versions with a corrupt manifest: {corrupt}")
+    else:
+        print(f"kept {len(report.corrupt)} versions with a corrupt manifest: {corrupt} (no reader loads them; "
+              f"remove them with {store._cli('gc', '--corrupt')})")
 
 
 def _kind_name(text: str) -> tuple[str, str]:
