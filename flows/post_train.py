@@ -189,12 +189,26 @@ def preflight(cfg: Config) -> None:
                                                                          else None)):
         if path and path.startswith(local) and not Path(path).expanduser().exists():
             raise ConfigError(f"{field}={path}: no such file or folder")
+    _check_local_cluster(cfg)
     reward = cfg.rl.reward
     if cfg.rl.enabled and reward.custom_path:
         try:
             load_reward_fn(reward.custom_path, reward.custom_function)
         except ValueError as exc:
             raise ConfigError(f"rl.reward.custom_path={reward.custom_path}: {exc}") from exc
+
+
+def _check_local_cluster(cfg: Config) -> None:
+    """A run that places workers (RL; SFT on more than one device) on the local cluster it starts: enough devices
+    for ray.num_devices_per_node? (Attached to a cluster, `Placement` checks it, before it creates its group.)"""
+    from infra.cluster import ClusterTooSmall, check_fits, local_nodes
+
+    places = cfg.rl.enabled or (cfg.sft.enabled and cfg.ray.num_trainers > 1)
+    if places and cfg.ray.address is None:
+        try:
+            check_fits(cfg.ray, local_nodes(cfg.ray))
+        except ClusterTooSmall as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def main(argv: list[str]) -> int:

@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infra.config import RayConfig
 from infra.prefect_env import PROJECT_DIR
 
 DEFAULT_STATE_DIR = PROJECT_DIR / "outputs" / "ray"
@@ -43,6 +44,11 @@ RAY = str(Path(sys.executable).parent / "ray")  # the venv's ray, the version th
 
 class ClusterError(RuntimeError):
     """The cluster could not be started or stopped; the message says why and what to do."""
+
+
+class ClusterTooSmall(ValueError):
+    """The run asks for more devices than the Ray cluster has: a config error, raised before the placement group is
+    created (Ray would wait for it until the placement timeout, and Prefect retry that) and not retried."""
 
 
 @dataclass
@@ -76,6 +82,72 @@ def attach_auth() -> None:
     from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# does the run fit the cluster
+
+
+def check_fits(cfg: RayConfig, nodes: list[dict[str, float]]) -> None:
+    """Raise ClusterTooSmall unless the run's placement group fits `nodes` (each alive node's total resources): one
+    bundle per worker, 1 CPU (+ 1 GPU when the cluster has GPUs), all on one node when ray.num_nodes is 1
+    (STRICT_PACK), else anywhere in the cluster (PACK). Totals, not what is free now: a cluster that is busy with
+    other runs' actors is waited for (the placement timeout), one too small never fits."""
+    gpus = any(node.get("GPU", 0) > 0 for node in nodes)
+    slots = [int(min(node.get("CPU", 0), node.get("GPU", 0) if gpus else float("inf"))) for node in nodes]
+    per_node = cfg.num_devices_per_node + cfg.rollout_devices_per_node
+    needed, have = per_node * cfg.num_nodes, max(slots, default=0) if cfg.num_nodes == 1 else sum(slots)
+    if needed <= have:
+        return
+    asked = f"ray.num_devices_per_node={cfg.num_devices_per_node}"
+    if cfg.rollout_devices_per_node:
+        asked += f" + ray.rollout_devices_per_node={cfg.rollout_devices_per_node}"
+    if cfg.num_nodes > 1:
+        asked = f"({asked}) x ray.num_nodes={cfg.num_nodes}"
+    each = "1 GPU and 1 CPU" if gpus else "1 CPU (the cluster has no GPU)"
+    where = "on one node (ray.num_nodes=1)" if cfg.num_nodes == 1 else "in the cluster"
+    most = (have if cfg.num_nodes == 1 else have // cfg.num_nodes) - cfg.rollout_devices_per_node
+    fix = (f"set ray.num_devices_per_node={most} or less" if most >= 1 else
+           f"lower ray.rollout_devices_per_node={cfg.rollout_devices_per_node}")
+    if not gpus and cfg.address is None:
+        fix += ", or raise ray.num_cpus (the local cluster's CPU slots; more than the cores is allowed)"
+    elif cfg.address is not None:
+        fix += ", or add nodes to the cluster"
+    raise ClusterTooSmall(f"{asked} asks for {needed} workers, each {each}, {where}; {describe_nodes(cfg, nodes)}. "
+                          f"{fix[0].upper()}{fix[1:]}")
+
+
+def describe_nodes(cfg: RayConfig, nodes: list[dict[str, float]]) -> str:
+    """What the cluster has, for messages: 'this machine's local Ray cluster has 2 CPUs and no GPU (ray.num_cpus=2)'."""
+
+    def has(node: dict[str, float]) -> str:
+        cpus, gpus = node.get("CPU", 0), node.get("GPU", 0)
+        return f"{cpus:g} CPUs and " + (f"{gpus:g} GPUs" if gpus else "no GPU")
+
+    if cfg.address is None:
+        return f"this machine's local Ray cluster has {has(nodes[0]) if nodes else 'nothing'}" + (
+            f" (ray.num_cpus={cfg.num_cpus})" if cfg.num_cpus else "")
+    total = {key: sum(node.get(key, 0) for node in nodes) for key in ("CPU", "GPU")}
+    if len(nodes) == 1:
+        return f"the Ray cluster at ray.address={cfg.address} has one node: {has(nodes[0])}"
+    largest = max(nodes, key=lambda node: (node.get("GPU", 0), node.get("CPU", 0)))
+    return (f"the Ray cluster at ray.address={cfg.address} has {len(nodes)} nodes, {has(total)} in all, the largest "
+            f"{has(largest)}")
+
+
+def live_nodes() -> list[dict[str, float]]:
+    """The total resources of each alive node of the cluster this driver is attached to."""
+    import ray
+
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def local_nodes(cfg: RayConfig) -> list[dict[str, float]]:
+    """What the local cluster that a run starts (ray.address unset) will have: ray.num_cpus or this machine's
+    CPUs (os.cpu_count: never fewer than Ray counts, so the check never refuses what would fit), its visible GPUs."""
+    import torch
+
+    return [{"CPU": float(cfg.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,7 +229,6 @@ def resources(state: ClusterState) -> dict[str, dict[str, float]]:
 
 def _head_env() -> dict[str, str]:
     """This process's environment plus the workers' (group.py worker_env), token authentication on."""
-    from infra.config import RayConfig
     from stages.workers.group import worker_env  # the workers run stage code: their env is defined there
 
     env = {**os.environ, **worker_env(RayConfig()), "RAY_USAGE_STATS_ENABLED": "0"}

@@ -98,6 +98,8 @@ class RunConsole:
                                            task_run_fmt=FORMAT.format("Task run %(task_run_name)r")))
         self._add(logging.getLogger(), file)
         self._redact_everywhere()
+        if not sys.stderr.isatty() and "RAY_COLOR_PREFIX" not in os.environ:
+            self._plain_ray_prefixes()
         if self.quiet:
             self._silence(file)
         stdout = logging.StreamHandler(sys.stdout)
@@ -144,6 +146,12 @@ class RunConsole:
         for handler in {h for logger in loggers for h in logger.handlers}:
             handler.addFilter(redact)
             self._undo.append(lambda handler=handler: handler.removeFilter(redact))
+
+    def _plain_ray_prefixes(self) -> None:
+        """Ray colours the prefixes of the lines it prints for workers and its autoscaler ('(autoscaler +11s)') on
+        any stream; into a file or a pipe they would be raw escape codes. Ray reads the switch at every line."""
+        os.environ["RAY_COLOR_PREFIX"] = "0"
+        self._undo.append(lambda: os.environ.pop("RAY_COLOR_PREFIX", None))
 
     def _add(self, logger: logging.Logger, handler: logging.Handler) -> None:
         logger.addHandler(handler)

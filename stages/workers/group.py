@@ -100,6 +100,9 @@ class Placement:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
+        from infra.cluster import check_fits, live_nodes
+
+        check_fits(cfg, live_nodes())  # too few devices: a clear error now, not after PLACEMENT_TIMEOUT_S
         self.world_size = cfg.num_trainers
         total = cfg.num_trainers + cfg.num_rollout_workers
         gpus = ray.cluster_resources().get("GPU", 0) > 0
@@ -110,8 +113,9 @@ class Placement:
             remove_placement_group(self.group)
             raise RuntimeError(
                 f"Ray could not place {total} workers ({bundle} each, {strategy}) in "
-                f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}. Lower ray.num_devices_per_node "
-                "/ ray.num_nodes, add nodes, or on CPU raise ray.num_cpus (logical CPU slots)")
+                f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}, of which "
+                f"{ray.available_resources()} are free: other actors hold the rest (a persistent cluster's: `python -m "
+                "infra.cluster status`)")
         self.share = {"num_cpus": 1.0 / num_roles, "num_gpus": (1.0 / num_roles) if gpus else 0}
         self.whole = {"num_cpus": 1.0, "num_gpus": 1.0 if gpus else 0}
         logger.info("placement group: %d bundles %s (%s), %d colocated roles%s", total, bundle, strategy, num_roles,

@@ -135,3 +135,25 @@ def test_verbose_flag_is_an_override_so_deployments_set_it_the_same_way():
         "recipes/demo.yaml", ["sft.epochs=1", "tracking.console=verbose"], [])
     assert parse_args(["sft.epochs=1", "--refresh-cache"]) == (None, ["sft.epochs=1"], [])
     assert load_config(None, []).tracking.console == "quiet"
+
+
+def test_ray_prints_plain_prefixes_into_a_file_or_pipe(tmp_path, monkeypatch):
+    """Ray colours '(autoscaler +11s)' on any stream: raw escape codes in a file or a pipe, unless RAY_COLOR_PREFIX=0
+    (which Ray reads at every line it prints); a terminal keeps the colours, a user's own setting wins."""
+    from ray._private.worker import print_worker_logs
+
+    def printed() -> str:
+        out = tmp_path / "console.txt"
+        with out.open("w") as stream:
+            print_worker_logs({"pid": 123, "ip": "x", "localhost": "x", "lines": ["hello"]}, stream)
+        return out.read_text()
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert "\x1b[" in printed()  # what the console showed
+    with RunConsole(tmp_path, "quiet"):
+        assert printed() == "(pid=123) hello\n"
+    assert "RAY_COLOR_PREFIX" not in os.environ and "\x1b[" in printed()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with RunConsole(tmp_path, "quiet"):
+        assert "\x1b[" in printed()

@@ -1,0 +1,105 @@
+"""A run that asks for more devices than the Ray cluster has fails at once, naming the keys, the values and what the
+cluster has (infra.cluster.check_fits), instead of waiting for the placement group's timeout; it is a config error,
+which Prefect does not retry, and the command line refuses it before the flow starts for a local cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flows.post_train import main, preflight
+from infra.cluster import ClusterTooSmall, check_fits
+from infra.config import ConfigError, RayConfig, load_config
+from tasks.stages import REPEATABLE
+
+
+def cpu(n: float) -> dict[str, float]:
+    return {"CPU": float(n), "memory": 1e9}
+
+
+def gpu(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": float(cpus), "GPU": float(gpus)}
+
+
+@pytest.mark.parametrize(("ray", "nodes"), [
+    ({"num_devices_per_node": 2}, [cpu(2)]),
+    ({"num_devices_per_node": 1, "rollout_devices_per_node": 1}, [cpu(2)]),
+    ({"num_devices_per_node": 8}, [gpu(64, 8)]),
+    ({"num_devices_per_node": 4, "num_nodes": 2}, [gpu(16, 4), gpu(16, 4)]),  # PACK: the cluster's total
+    ({"num_devices_per_node": 4, "num_nodes": 2}, [gpu(16, 8)]),  # PACK packs onto one node when it fits
+])
+def test_what_fits_passes(ray, nodes):
+    check_fits(RayConfig(**ray), nodes)
+
+
+def test_more_cpu_slots_than_the_local_cluster_has():
+    with pytest.raises(ClusterTooSmall) as info:
+        check_fits(RayConfig(num_devices_per_node=4, num_cpus=2), [cpu(2)])
+    assert str(info.value) == (
+        "ray.num_devices_per_node=4 asks for 4 workers, each 1 CPU (the cluster has no GPU), on one node "
+        "(ray.num_nodes=1); this machine's local Ray cluster has 2 CPUs and no GPU (ray.num_cpus=2). Set "
+        "ray.num_devices_per_node=2 or less, or raise ray.num_cpus (the local cluster's CPU slots; more than the cores "
+        "is allowed)")
+
+
+def test_more_gpus_than_one_node_of_a_remote_cluster_has():
+    # STRICT_PACK (num_nodes=1): 8 workers on one node, and no node has 8 GPUs although the cluster does
+    with pytest.raises(ClusterTooSmall) as info:
+        check_fits(RayConfig(num_devices_per_node=8, address="10.0.0.1:6379"), [gpu(32, 4), gpu(32, 4)])
+    assert str(info.value) == (
+        "ray.num_devices_per_node=8 asks for 8 workers, each 1 GPU and 1 CPU, on one node (ray.num_nodes=1); the Ray "
+        "cluster at ray.address=10.0.0.1:6379 has 2 nodes, 64 CPUs and 8 GPUs in all, the largest 32 CPUs and 4 GPUs. "
+        "Set ray.num_devices_per_node=4 or less, or add nodes to the cluster")
+
+
+def test_rollout_devices_count_and_the_fix_says_which_key():
+    with pytest.raises(ClusterTooSmall, match=r"^\(ray.num_devices_per_node=2 \+ ray.rollout_devices_per_node=2\) x "
+                                              r"ray.num_nodes=2 asks for 8 workers.*Set ray.num_devices_per_node=1 "):
+        check_fits(RayConfig(num_devices_per_node=2, rollout_devices_per_node=2, num_nodes=2, address="auto"),
+                   [gpu(8, 3), gpu(8, 3)])
+    with pytest.raises(ClusterTooSmall, match=r"Lower ray.rollout_devices_per_node=4"):
+        check_fits(RayConfig(num_devices_per_node=1, rollout_devices_per_node=4, address="auto"), [gpu(8, 4)])
+
+
+def test_cpus_bound_a_gpu_node_too():
+    with pytest.raises(ClusterTooSmall, match="each 1 GPU and 1 CPU.*has 2 CPUs and 8 GPUs"):
+        check_fits(RayConfig(num_devices_per_node=4, num_cpus=2), [gpu(2, 8)])
+
+
+def test_it_is_not_retried():
+    assert issubclass(ClusterTooSmall, REPEATABLE)
+
+
+def test_the_command_line_refuses_it_before_the_flow_starts(tmp_path, capsys):
+    args = [f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}", "rl.enabled=true",
+            "ray.num_cpus=2", "ray.num_devices_per_node=4"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("error: ray.num_devices_per_node=4 asks for 4 workers")
+    assert not (tmp_path / "out").exists()
+
+
+def test_preflight_leaves_a_run_without_placement_and_a_remote_cluster_alone(tmp_path):
+    store = f"storage.root={tmp_path / 'store'}"
+    preflight(load_config(None, [store, "sft.enabled=false", "ray.num_cpus=1", "ray.num_devices_per_node=4"]))
+    preflight(load_config(None, [store, "rl.enabled=true", "sft.enabled=false", "ray.address=auto",
+                                  "ray.num_devices_per_node=32"]))
+    with pytest.raises(ConfigError, match="ray.num_devices_per_node=4 asks"):
+        preflight(load_config(None, [store, "ray.num_cpus=1", "ray.num_devices_per_node=4"]))  # SFT on 4 ranks
+
+
+@pytest.mark.slow
+def test_placement_on_a_real_cluster_fails_in_seconds():
+    """A real local Ray cluster of 1 CPU slot: Placement refuses 3 workers at once (it waited 120 s, twice)."""
+    import ray
+
+    from stages.workers.group import Placement
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClusterTooSmall, match="this machine's local Ray cluster has 1 CPUs and no GPU"):
+            Placement(RayConfig(num_devices_per_node=3), num_roles=1)
+        assert time.monotonic() - start < 10
+    finally:
+        ray.shutdown()
