@@ -13,8 +13,8 @@ Protocol, per worker, over one duplex Pipe:
 - worker -> parent: `("ready",)` once the function is loaded (or `("fatal", msg)` and exit);
 - parent -> worker: a chunk, a list of `(index, data_source, solution_str, ground_truth, extra_info)`,
   or None to exit; only idle, ready workers get a chunk, so the worker is always reading when sent to;
-- worker -> parent: one `(index, score, components, error, dropped_keys)` tuple per sample, as each
-  finishes, so the parent sees progress sample by sample.
+- worker -> parent: one `(index, score, components, error, dropped_keys, traceback)` tuple per sample, as each
+  finishes, so the parent sees progress sample by sample (`traceback`: the user's function's, when it raised).
 
 Timeout: the parent waits at most `timeout_s` for a busy worker's next result (counted from the chunk's
 dispatch, the previous result, or the worker's "ready", whichever is latest). On expiry the sample in
@@ -23,7 +23,11 @@ rest of its chunk goes back to the queue for whichever worker is idle first. A w
 segfault, `os._exit`) is handled the same way, its sample counted as an error.
 
 A scorer that raises, returns a non-number, or a dict without "score" scores 0 and counts as an error;
-a NaN/inf score scores 0 and counts as "nan". Each such sample is logged; the run never stops for them.
+a NaN/inf score scores 0 and counts as "nan". Each batch with such samples is logged (one warning naming the first);
+the run stops only when `max_failed_frac` of a batch failed (`on_failure=error`). A scorer that raised brings its
+traceback from the worker, from its own frame on (file and line of the user's code): the warning shows it the first
+time that error is met at that line, and RewardFailedError carries it as its cause (`ScorerTraceback`), which Python
+prints above the driver's traceback.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import math
 import multiprocessing
 import signal
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,10 +55,19 @@ logger = logging.getLogger(__name__)
 MAX_CHUNK = 64  # samples per message: few messages for big batches, still balanced across workers
 STARTUP_TIMEOUT_S = 120.0  # a worker must import and load the reward function within this
 SNIPPET_CHARS = 80  # of solution_str, in warnings
+TRACEBACK_CHARS = 8000  # of a scorer's traceback, its end kept: the innermost frames and the error
 
 
 class RewardFailedError(RuntimeError):
     """(Almost) every sample of a batch failed to score (rl.reward.max_failed_frac, on_failure=error)."""
+
+
+class ScorerTraceback(Exception):
+    """The traceback of the user's reward function in a worker process, as text: the cause of RewardFailedError, so
+    that Python prints it above the driver's own traceback (as multiprocessing.pool's RemoteTraceback)."""
+
+    def __str__(self) -> str:
+        return "the reward function raised in a reward worker process:\n" + self.args[0].rstrip("\n")
 
 
 @dataclass
@@ -103,14 +117,21 @@ def _worker_main(conn: Connection, custom_path: str | None, custom_function: str
 
 
 def _score_one(fn, item: tuple) -> tuple:
-    """`(index, score, components, error, dropped_keys)` of one sample; never raises for the user's code."""
+    """`(index, score, components, error, dropped_keys, traceback)` of one sample; never raises for the user's code."""
     index, data_source, solution_str, ground_truth, extra_info = item
     try:
         raw = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                  extra_info=extra_info)
     except Exception as exc:  # the user's scorer may raise anything; one bad sample must not stop the run
-        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", ()
-    return (index, *_normalise(raw))
+        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", (), _scorer_traceback(exc)
+    return (index, *_normalise(raw), None)
+
+
+def _scorer_traceback(exc: Exception) -> str:
+    """The exception as Python prints it, from the scorer's frame on (this module's frame left out); its last
+    TRACEBACK_CHARS."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+    return text if len(text) <= TRACEBACK_CHARS else "...\n" + text[-TRACEBACK_CHARS:]
 
 
 def _as_float(value: Any) -> float | None:
@@ -196,6 +217,7 @@ class RewardPool:
         self._ctx = multiprocessing.get_context("forkserver")
         _preload_rewards(self._ctx)
         self._warned_keys: set[str] = set()
+        self._warned_tracebacks: set[tuple[str, str]] = set()  # a traceback's last frame and error line, once warned with it
         # the batch in flight, shared by the event-loop methods below
         self._requests: list[RewardRequest] = []
         self._outcomes: list[tuple | None] = []
@@ -239,7 +261,7 @@ class RewardPool:
         finally:
             self._requests, self._outcomes, self._queue, self._missing = [], [], deque(), 0
         result = self._assemble(requests, outcomes)
-        self._check_failures(requests, result.errors)
+        self._check_failures(requests, result.errors, [o[4] for o in outcomes])
         return result
 
     # -- the event loop ---------------------------------------------------------------------------
@@ -332,7 +354,7 @@ class RewardPool:
         worker = self._workers[i]
         if worker.pending:
             index = worker.pending.popleft()
-            self._outcomes[index] = (0.0, {}, error, ())
+            self._outcomes[index] = (0.0, {}, error, (), None)
             self._missing -= 1
             if worker.pending:
                 self._queue.appendleft(list(worker.pending))
@@ -362,24 +384,38 @@ class RewardPool:
             metrics[f"reward/{name}/mean"] = sum(present) / len(present) if present else math.nan
         return RewardResult(scores=scores, components=components, errors=errors, metrics=metrics)
 
-    def _check_failures(self, requests: list[RewardRequest], errors: list[str | None]) -> None:
-        """One warning per batch with failed samples (not one per sample), naming the first; the configured
-        action when (almost) all of them failed."""
-        failed = [(r, e) for r, e in zip(requests, errors) if e is not None]
+    def _check_failures(self, requests: list[RewardRequest], errors: list[str | None],
+                        tracebacks: list[str | None]) -> None:
+        """One warning per batch with failed samples (not one per sample), naming the first (the first that raised,
+        with its traceback); the configured action when (almost) all of them failed."""
+        failed = [(r, e, t) for r, e, t in zip(requests, errors, tracebacks) if e is not None]
         if not failed:
             return
-        request, error = failed[0]
+        request, error, trace = next((f for f in failed if f[2]), failed[0])
         snippet = request.solution_str[:SNIPPET_CHARS] + ("..." if len(request.solution_str) > SNIPPET_CHARS else "")
         text = (f"the reward failed on {len(failed)} of {len(requests)} samples (scored 0); the first, a "
                 f"{request.data_source!r} sample: {error}; solution: {snippet!r}")
         if len(failed) < self.cfg.max_failed_frac * len(requests):
-            logger.warning(text)
+            logger.warning(text + self._traceback_once(trace))
         elif self.cfg.on_failure == "error":
             raise RewardFailedError(f"{text}. Fix the reward function (rl.reward.custom_path / custom_function), or "
-                                    "set rl.reward.on_failure=warn to go on scoring failures as 0")
+                                    "set rl.reward.on_failure=warn to go on scoring failures as 0"
+                                    + (" (its traceback is above)" if trace else "")
+                                    ) from (ScorerTraceback(trace) if trace else None)
         else:
-            logger.warning("%s. rl.reward.max_failed_frac=%g reached; going on (rl.reward.on_failure=warn)", text,
-                           self.cfg.max_failed_frac)
+            logger.warning("%s. rl.reward.max_failed_frac=%g reached; going on (rl.reward.on_failure=warn)%s", text,
+                           self.cfg.max_failed_frac, self._traceback_once(trace))
+
+    def _traceback_once(self, trace: str | None) -> str:
+        """The scorer's traceback for a warning, the first time its error is met at its line; after that a pointer."""
+        if not trace:
+            return ""
+        lines = trace.rstrip("\n").splitlines()
+        where = next((line for line in reversed(lines) if line.lstrip().startswith("File ")), "")
+        if (where, lines[-1]) in self._warned_tracebacks:
+            return " (its traceback: in the first warning about it)"
+        self._warned_tracebacks.add((where, lines[-1]))
+        return "\n" + trace.rstrip("\n")
 
     def _warn_dropped(self, keys) -> None:
         for key in set(keys) - self._warned_keys:

@@ -276,3 +276,39 @@ def test_on_failure_warn_scores_zero_and_says_so(tmp_path, caplog):
     with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="stages.rewards.pool"):
         result = pool.score([RewardRequest("mine", "a", "a", None)] * 10)
     assert result.scores == [0.0] * 10 and "max_failed_frac=0.9 reached" in caplog.text
+
+
+RAISES_DEEP = '''def helper(text):
+    return 1 / (len(text) - len(text))
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return helper(solution_str)
+'''
+
+
+def test_a_raising_reward_shows_the_user_its_own_traceback(tmp_path):
+    """Not only 'ZeroDivisionError: division by zero': the file and line of the user's function, as the cause that
+    Python prints above the driver's traceback."""
+    import traceback
+
+    path = _write(tmp_path, RAISES_DEEP)
+    with RewardPool(RewardConfig(custom_path=path, num_workers=1)) as pool, pytest.raises(RewardFailedError) as info:
+        pool.score([RewardRequest("mine", "a", "a", None)] * 4)
+    printed = "".join(traceback.format_exception(info.value))
+    assert f'File "{path}", line 6, in compute_score\n    return helper(solution_str)' in printed
+    assert f'File "{path}", line 2, in helper\n    return 1 / (len(text) - len(text))' in printed
+    assert "ZeroDivisionError: division by zero\n" in printed and "pool.py" not in str(info.value.__cause__)
+    assert printed.index("in helper") < printed.index("RewardFailedError: the reward failed on 4 of 4 samples")
+    assert str(info.value).endswith("(its traceback is above)")  # one line: the console's stage line quotes it
+
+
+def test_a_warning_shows_the_traceback_the_first_time_it_is_met(tmp_path, caplog):
+    path = _write(tmp_path, RAISES_DEEP)
+    cfg = RewardConfig(custom_path=path, num_workers=1, on_failure="warn")
+    with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="stages.rewards.pool"):
+        pool.score([RewardRequest("mine", "a", "a", None)] * 2)
+        pool.score([RewardRequest("mine", "a", "a", None)] * 2)
+    first, second = [r.getMessage() for r in caplog.records if "the reward failed" in r.getMessage()]
+    assert f'File "{path}", line 2, in helper' in first and first.endswith("ZeroDivisionError: division by zero")
+    assert "File " not in second and second.endswith("(its traceback: in the first warning about it)")
