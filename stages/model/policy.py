@@ -26,6 +26,8 @@ returns the micro-batch's whole (B, R) outputs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from stages.model import rotary
 from stages.model.sequence_parallel import gather_outputs, split_packed, ulysses_attention
+
+logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "packed_sdpa"  # transformers attention implementation: sdpa, or varlen when packed
 
@@ -168,6 +172,13 @@ class TokenLogprobs(nn.Module):
         self.pack = pack
         self.sequence_parallel = sequence_parallel
         self.head = {"compile_head": compile_head, "checkpoint_head": checkpoint_head}
+        self.head_problem = head_problem(lm)
+        if self.head_problem:
+            if pack or sequence_parallel is not None:
+                raise ValueError(f"packed rows compute logits as hidden @ lm_head.weight.T, which is not this model's "
+                                 f"output layer ({self.head_problem}); set rl.actor.use_remove_padding=false")
+            logger.info("trainer: logprobs from the model's own logits, not the chunked head: %s (memory: the "
+                        "micro-batch's full-vocabulary logits)", self.head_problem)
         if pack:
             use_packed_attention(lm)
 
@@ -184,12 +195,24 @@ class TokenLogprobs(nn.Module):
             if packed is None:
                 packed = sequence_parallel_rows(pack_rows(input_ids, attention_mask, r), self.sequence_parallel)
             return self._packed(body, lm_head, packed, temperature, with_entropy, head)
+        if self.head_problem:
+            return self._model_logprobs(input_ids, attention_mask, position_ids, r, temperature, with_entropy)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state  # (B, L, H)
         predicting = hidden[:, -r - 1 : -1]  # (B, R, H)
         targets = input_ids[:, -r:]  # (B, R)
         return chunked_logprobs(predicting, lm_head.weight, targets, temperature, with_entropy, self.chunk_tokens,
                                 **head)
+
+    def _model_logprobs(self, input_ids, attention_mask, position_ids, r: int, temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own forward, its output layer's extras included (soft-capping, scaling, a bias, LoRA)."""
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, logits_to_keep=r + 1).logits[:, :-1]  # (B, R, V)
+        b, _, v = logits.shape
+        logprobs, _, entropy = _head_forward(logits.reshape(b * r, v), input_ids[:, -r:].reshape(b * r),
+                                             temperature, with_entropy)
+        return logprobs.view(b, r), entropy.view(b, r)
 
     def _packed(self, body, lm_head, packed: dict, temperature: float, with_entropy: bool, head: dict):
         split = packed.get("sequence_parallel")  # this rank's slice of the row, or None: the whole row
@@ -360,6 +383,25 @@ def _hf_packed_mask(*args, attention_mask=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+# causal LMs whose logits are lm_head(hidden) and nothing more (transformers 5.19's modeling files): the chunked head
+# computes their logprobs; others soft-cap (Gemma 2-4), scale (Granite, Cohere) or slice their logits
+PLAIN_HEAD_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral", "ministral", "mixtral",
+                          "phi3", "olmo2", "gemma", "deepseek_v3", "glm4", "smollm3")
+
+
+def head_problem(lm: nn.Module) -> str | None:
+    """Why hidden @ lm_head.weight.T would not be this model's logits (None: it is)."""
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    head, model_type = hf.get_output_embeddings(), hf.config.model_type
+    if model_type not in PLAIN_HEAD_MODEL_TYPES:
+        return f"model_type={model_type!r} may change its logits after lm_head"
+    if type(head) is not nn.Linear:
+        return f"the output layer is a {type(head).__name__} (LoRA on lm_head?)"
+    if head.bias is not None:
+        return "the output layer has a bias"
+    return None
 
 
 PACKED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")  # attention through transformers' interface, no windows

@@ -12,7 +12,7 @@ import torch
 
 from infra.config import ModelConfig
 from stages.model.loading import load_model, load_tokenizer
-from stages.rollout.cuda_model import unsupported
+from stages.rollout.cuda_weights import unsupported
 
 logger = logging.getLogger(__name__)
 

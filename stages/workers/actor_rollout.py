@@ -48,12 +48,13 @@ from stages.model.loading import compute_dtype, enable_checkpointing, load_model
 from stages.model.policy import (
     TokenLogprobs,
     compile_layers,
+    head_problem,
     host_inputs,
     packing_unsupported,
 )
 from stages.model.sequence_parallel import check_heads, consecutive_group, sequence_parallel_group
 from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
-from stages.rollout.cuda_model import TP_FIELD
+from stages.rollout.cuda_weights import TP_FIELD
 from stages.rollout.local import local_engine
 from stages.rollout.prefix_cache import PrefixRouter
 from stages.workers.actor_loss import actor_loss
@@ -157,7 +158,7 @@ class ActorRolloutWorker:
         """Decide the actor's automatic (None) settings once, for this device and model; `automatic` lists them
         (with the rollout's prefix_cache_rows) for the driver to log and record."""
         given, cuda = cfg.rl.actor, self.device.type == "cuda"
-        problem, sp = packing_unsupported(model.config), given.ulysses_sequence_parallel_size
+        problem, sp = packing_unsupported(model.config) or head_problem(model), given.ulysses_sequence_parallel_size
         if problem and given.use_remove_padding:
             raise ValueError(f"rl.actor.use_remove_padding=true: packed rows cannot compute this model ({problem}); "
                              "set it to false or leave it null")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
 from stages.model.policy import packing_unsupported
-from stages.rollout.cuda_model import unsupported
+from stages.rollout.cuda_weights import unsupported
 from stages.rollout.vllm_engine import checkpoint_layout
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

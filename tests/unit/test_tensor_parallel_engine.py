@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from stages.rollout.base import SamplingParams
 from stages.rollout.cuda_engine import CudaRolloutEngine
-from stages.rollout.cuda_model import DecoderShape
+from stages.rollout.cuda_weights import DecoderShape
 from tests.conftest import free_port
 from tests.unit.test_cuda_engine import EOS, LOGPROB_ATOL, VOCAB, prompts, tiny_model
 
