@@ -2,14 +2,17 @@
 
 Prompts are left-padded into batches of `batch_size`; each prompt's `n` samples come from
 `num_return_sequences`. A sample ends at the first stop token (kept in the response) or at max_tokens.
+Decoding follows `SamplingParams` alone, as vLLM's and the cuda engine's: the model folder's
+generation_config.json (a repetition penalty, a minimum length, suppressed tokens) does not apply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from stages.rollout.base import RolloutOutput, SamplingParams
 
@@ -44,18 +47,19 @@ class HFRolloutEngine:
             "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else None,
         }
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            do_sample=not params.greedy,
-            num_return_sequences=params.n,
-            max_new_tokens=params.max_tokens,
-            eos_token_id=stop_ids,
-            pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **sampling,
-        )
+        with self._plain_generation_config():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                do_sample=not params.greedy,
+                num_return_sequences=params.n,
+                max_new_tokens=params.max_tokens,
+                eos_token_id=stop_ids,
+                pad_token_id=self.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
         new_tokens = out.sequences[:, width:].cpu()  # (B*n, L)
         logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, L, V)
         logprobs = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
@@ -64,6 +68,16 @@ class HFRolloutEngine:
             _trim(new_tokens[row], token_logprobs[row], set(stop_ids), offset + row // params.n)
             for row in range(new_tokens.shape[0])
         ]
+
+    @contextmanager
+    def _plain_generation_config(self):
+        """transformers fills every setting a call leaves unset from the model's generation_config; during our
+        calls that is the library's defaults (no penalties, processors or minimum length)."""
+        saved, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            yield
+        finally:
+            self.model.generation_config = saved
 
     @torch.no_grad()
     def update_weights(self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:

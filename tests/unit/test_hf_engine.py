@@ -1,0 +1,37 @@
+"""The hf engine decodes by its SamplingParams alone, as vLLM and the cuda engine do.
+
+transformers fills what a `generate` call leaves unset from the model's generation_config.json, which hub models and
+our SFT exports carry: a repetition penalty there made "greedy" evaluation on the hf engine differ from argmax
+decoding in 4 of 4 prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.rollout.base import SamplingParams
+from stages.rollout.hf import HFRolloutEngine
+from tests.unit.test_cuda_engine import EOS, PAD, prompts, tiny_model
+
+
+def argmax_decode(model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == EOS:
+                break
+    return ids[len(prompt):]
+
+
+def test_greedy_ignores_the_models_generation_config():
+    model = tiny_model()
+    model.generation_config.repetition_penalty = 2.0
+    model.generation_config.no_repeat_ngram_size = 2
+    model.generation_config.min_new_tokens = 6
+    engine = HFRolloutEngine(model, PAD, EOS)
+    batch = prompts(4)
+    outputs = engine.generate(batch, SamplingParams(n=1, temperature=0.0, max_tokens=6, stop_token_ids=(EOS,)))
+    assert [o.response_ids for o in outputs] == [argmax_decode(model, p, 6) for p in batch]
+    assert model.generation_config.repetition_penalty == 2.0  # the model's own file is left as it was
+
