@@ -46,7 +46,7 @@ from stages.model.loading import load_tokenizer
 from stages.rewards.pool import RewardPool
 from stages.rollout.base import PackedOutputs, SamplingParams
 from stages.rollout.local import local_engine
-from stages.validation import group_metrics
+from stages.validation import group_metrics, sample_value
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[s
     groups = {**{src: by_source[src] for src in sorted(by_source)}, ALL: greedy}
     scores, counts = {}, {}
     for src, rows in groups.items():
-        scores[src] = {"acc": sum(1.0 for s in rows if s["score"] >= 1.0) / len(rows)}
+        scores[src] = {"acc": sum(sample_value(s) for s in rows) / len(rows)}  # as validation's mean@1
         counts[src] = len(rows)
         if sampled:
             mine = [s for s in sampled if src == ALL or s["data_source"] == src]

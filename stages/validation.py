@@ -39,7 +39,7 @@ def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str,
         by_prompt[s["prompt_index"]].append(s)
     per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for group in by_prompt.values():
-        scores = [_value(s) for s in group]
+        scores = [sample_value(s) for s in group]
         stats = per_source[group[0]["data_source"]]
         stats[f"mean@{n}"].append(sum(scores) / len(scores))
         stats[f"best@{n}"].append(max(scores))
@@ -58,10 +58,10 @@ def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str,
 def _majority_score(group: list[dict]) -> float:
     answers = [final_answer(s["response"]) for s in group]
     winner, _ = Counter(answers).most_common(1)[0]
-    return _value(group[answers.index(winner)])
+    return sample_value(group[answers.index(winner)])
 
 
-def _value(sample: dict) -> float:
+def sample_value(sample: dict) -> float:
     """The sample's `acc` if it has one (not None or NaN: a reward without acc), else its score."""
     acc = sample.get("acc")
     return float(sample["score"]) if acc is None or math.isnan(acc) else float(acc)

@@ -27,3 +27,14 @@ def test_acc_replaces_a_plus_minus_one_score():
     assert m["val/openai/gsm8k/acc/mean@3"] == pytest.approx(1 / 3)  # scores (1 + 0 + 0) / 3
     assert m["val/acc/mean@3"] == pytest.approx(1 / 3)  # over both prompts: (1/3 + 1/3) / 2
     assert m["val/acc/maj@3"] == 0.0
+
+
+def test_evaluation_acc_counts_the_rewards_own_acc_as_validation_does():
+    """A reward of {"score": 0.9, "acc": 1} is correct: evaluation counted score >= 1 (0.25 here) while validation's
+    mean@1 counted acc (0.75) for the same samples."""
+    from stages.evaluate import ALL, score_table
+
+    rows = [{"prompt_index": i, "data_source": "custom", "score": score, "acc": acc, "response": "r"}
+            for i, (score, acc) in enumerate([(0.9, 1.0), (0.9, 1.0), (1.0, 1.0), (0.0, 0.0)])]
+    scores, _ = score_table(rows, [], 1)
+    assert scores[ALL]["acc"] == 0.75 == group_metrics(rows, 1)["val/acc/mean@1"]
