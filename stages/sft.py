@@ -51,7 +51,8 @@ from stages.model.loading import (
     tool_turn_ids,
 )
 from stages.model.optim import build_optimizer, build_scheduler
-from stages.model.policy import TokenLogprobs, compile_layers, host_inputs, packing_unsupported
+from stages.model.policy import TokenLogprobs, compile_layers, head_problem, host_inputs, packing_unsupported
+from stages.model.rng import rng_state, set_rng_state
 from stages.model.safe_load import load_state
 
 logger = logging.getLogger(__name__)
@@ -88,22 +89,23 @@ def tokenize_sft(path: Path, tokenizer, cfg: DataConfig) -> list[SFTExample]:
     """Prompt through the chat template + response + EOS; long prompts follow data.* (filter/truncate)."""
     columns = ["prompt", "response"] + (["turns"] if "turns" in pq.read_schema(path).names else [])
     table = pq.read_table(path, columns=columns).to_pylist()
-    examples, num_filtered, num_cut = [], 0, 0
+    examples, num_filtered, num_truncated, num_cut = [], 0, 0, 0
     for row in table:
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
         if len(prompt) > cfg.max_prompt_length:
             if cfg.filter_overlong_prompts:
                 num_filtered += 1
                 continue
-            prompt = _truncate(prompt, cfg)
+            prompt, num_truncated = _truncate(prompt, cfg), num_truncated + 1
         response, mask = response_ids(tokenizer, row)
         if len(response) > cfg.max_response_length:
             response, num_cut = response[: cfg.max_response_length], num_cut + 1
             mask = mask and mask[: cfg.max_response_length]
         examples.append(SFTExample(prompt + response, len(prompt), mask))
-    if num_filtered or num_cut:
-        logger.warning("%s: %d prompts over data.max_prompt_length dropped, %d responses cut to "
-                       "data.max_response_length", path.name, num_filtered, num_cut)
+    if num_filtered or num_truncated or num_cut:
+        logger.warning("%s: of %d rows, %d prompts over data.max_prompt_length dropped, %d truncated (data.truncation="
+                       "%s), %d responses cut to data.max_response_length", path.name, len(table), num_filtered,
+                       num_truncated, cfg.truncation, num_cut)
     if not examples:
         raise ValueError(f"{path}: no SFT examples left; raise data.max_prompt_length")
     return examples
@@ -157,7 +159,8 @@ def sft_policy(model: torch.nn.Module, cuda: bool) -> TokenLogprobs:
     batch is faster: the packed attention loops over sequences there)."""
     if cuda:
         compile_layers(model)
-    return TokenLogprobs(model, pack=cuda and packing_unsupported(model.config) is None, compile_head=cuda)
+    packs = packing_unsupported(model.config) is None and head_problem(model) is None
+    return TokenLogprobs(model, pack=cuda and packs, compile_head=cuda)
 
 
 def summed_token_nll(policy: TokenLogprobs, batch: Batch, device: torch.device | None = None) -> torch.Tensor:
@@ -289,7 +292,7 @@ class SFTTrainer:
         if self.sharded:
             save_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
             if self.world_size > 1:  # a Ray actor's own generator (one device: the driver saves this process's)
-                torch.save(torch.get_rng_state(), Path(folder) / f"rng_rank{self.rank}.pt")
+                torch.save(rng_state(), Path(folder) / f"rng_rank{self.rank}.pt")
             return {}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
@@ -299,7 +302,7 @@ class SFTTrainer:
             load_train_state(Path(folder) / SHARDED_DIR, self.policy, self.optimizer, self.scheduler)
             rng = Path(folder) / f"rng_rank{self.rank}.pt"
             if self.world_size > 1 and rng.is_file():  # absent when another number of ranks wrote the checkpoint
-                torch.set_rng_state(load_state(rng))
+                set_rng_state(load_state(rng))
             return
         state = load_state(Path(folder) / CHECKPOINT_FILE, mmap=True)  # tensors and plain values: it cannot run code
         self.model.load_state_dict(state["model"])
@@ -423,7 +426,7 @@ class _Loop:
 
     def _save(self, step: int) -> None:
         with tempfile.TemporaryDirectory(dir=self.checkpoints.tmp_dir) as tmp:
-            state = {"step": step, "rng": torch.get_rng_state(), **self.ranks.all("save", tmp)[0]}
+            state = {"step": step, "rng": rng_state(), **self.ranks.all("save", tmp)[0]}
             torch.save(state, Path(tmp) / CHECKPOINT_FILE)
             self.checkpoints.save(step, Path(tmp))
 
@@ -443,6 +446,6 @@ class _Loop:
         # tensors and plain values only: a checkpoint cannot run code; mapped, not read (the step and generator only)
         state = load_state(latest / CHECKPOINT_FILE, mmap=True)
         self.ranks.all("load", str(latest))
-        torch.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         logger.info("sft: resumed from checkpoint at step %d", state["step"])
         return int(state["step"])

@@ -33,6 +33,8 @@ from stages.batch import Batch
 from stages.core import loss_denominators
 from stages.model.fsdp import all_reduce, load_train_state, save_train_state
 from stages.model.optim import OffloadedAdamW, build_optimizer, build_scheduler
+from stages.model.rng import rng_state, set_rng_state
+from stages.model.safe_load import load_state
 
 logger = logging.getLogger(__name__)
 LossFn = Callable[[Batch, dict], tuple[torch.Tensor, dict]]
@@ -81,12 +83,20 @@ class TrainEngine:
         return found_inf
 
     def save(self, path: Path) -> None:
+        """The sharded train state (DCP) and this rank's random generators (dropout) into `path`."""
         save_train_state(path, self.model, self.optimizer, self.scheduler)
+        torch.save(rng_state(), path / self._rng_file())
         self._offload_optimizer()
 
     def load(self, path: Path) -> None:
         load_train_state(path, self.model, self.optimizer, self.scheduler)
+        rng = path / self._rng_file()
+        if rng.is_file():  # absent when another number of ranks, or a version before 2026-11-28, wrote it
+            set_rng_state(load_state(rng))
         self._offload_optimizer()
+
+    def _rng_file(self) -> str:
+        return f"rng_rank{dist.get_rank() if dist.is_initialized() else 0}.pt"
 
     def _offload_optimizer(self) -> None:
         """`optimizer_offload`: reading or writing the state brought the moments to the device; send them back

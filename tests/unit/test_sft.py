@@ -239,3 +239,14 @@ def test_offloaded_sft_on_cuda_learns_and_saves_the_model_dtype(tiny_model_dir, 
     result = learned(tiny_model_dir, tiny_data_dir, tmp_path, "sft.offload=true", "model.dtype=bfloat16")
     with safe_open(str(result.model_dir / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+
+
+def test_truncated_prompts_are_counted_in_the_warning(tiny_config, tiny_data_dir, tiny_model_dir, caplog):
+    """data.truncation=right cut every prompt (its assistant header too) without a word."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    data = tiny_config.data.model_copy(update={"max_prompt_length": 4, "truncation": "right",
+                                               "filter_overlong_prompts": False})
+    with caplog.at_level("WARNING", logger="stages.sft"):
+        examples = tokenize_sft(tiny_data_dir / "sft_train.parquet", tokenizer, data)
+    assert all(e.num_prompt_tokens == 4 for e in examples)
+    assert f"{len(examples)} truncated (data.truncation=right)" in caplog.text

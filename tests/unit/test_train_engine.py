@@ -93,3 +93,16 @@ def test_actor_and_critic_roles_report_the_same_loop_metrics_and_skipped_steps()
     strip = lambda m, role: {k.removeprefix(role + "/") for k in m}  # noqa: E731
     assert strip(metrics["actor"], "actor") == strip(metrics["critic"], "critic") == {
         "custom", "grad_norm", "loss", "lr", "skipped_steps"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as intended
+def test_a_checkpoint_resumes_the_dropout_stream(tmp_path):
+    """RL workers saved weights, optimizer and schedule but not their generators: with LoRA dropout a resumed run
+    drew other masks than the run it continues."""
+    engine = TrainEngine("actor", torch.nn.Linear(3, 1), TrainerConfig(), total_steps=4, mini_rows=2)
+    torch.manual_seed(7)
+    engine.save(tmp_path)
+    expected = torch.nn.functional.dropout(torch.ones(16), 0.5)
+    torch.manual_seed(8)  # the resumed process starts from its own seed
+    engine.load(tmp_path)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(16), 0.5), expected)
