@@ -60,7 +60,30 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
         target_modules=cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_cfg)
+    tied = model.config.get_text_config().tie_word_embeddings
+    peft_model = get_peft_model(model, peft_cfg)
+    problem = _lora_target_problem(peft_model, tied)
+    if problem:
+        raise ValueError(f"lora.target_modules={cfg.target_modules!r}: {problem}; target the linear layers only "
+                         "(e.g. all-linear, or q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    return peft_model
+
+
+def _lora_target_problem(peft_model, tied: bool) -> str | None:
+    """Why the merge (stages/model/fsdp.py `hf_weights`: W + scale * B @ A per linear layer) could not fold these
+    adapters into plain HF weights (None: it can)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    head = peft_model.get_base_model().get_output_embeddings()
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        base = module.get_base_layer()
+        if type(base) is not torch.nn.Linear:
+            return f"{name} is a {type(base).__name__}, which the merge cannot fold an adapter into"
+        if tied and base is getattr(head, "base_layer", head):
+            return f"{name} is the output layer, tied to the input embeddings (an adapter would untie them)"
+    return None
 
 
 def enable_checkpointing(model) -> None:
