@@ -23,20 +23,8 @@ rarer of the two types go. (An odd file whose type wins the union, a STRUCT amon
 type: ``avg(score)`` then fails in the binder, naming no file; ``SELECT score`` reads and drops it.) More than
 ``MAX_SKIPPED_FILES`` bad files on one connection is an error.
 
-Read-only: ``query``, ``read`` and the CLI run exactly one statement, a read (``READS``); anything else (COPY,
-CREATE, INSERT, SET, PRAGMA settings, INSTALL/LOAD, ATTACH, ...) is a ``ReadOnlyError`` naming its type. Each
-connection is also locked by DuckDB itself, set after the views and the S3 secret exist: ``allowed_paths`` = the
-views' files with ``enable_external_access=false`` (no other file or URL: ``read_csv('/etc/passwd')``, ``COPY
-... TO`` a new file and ``ATTACH`` of a file are refused), no extension auto-installed or auto-loaded, and
-``lock_configuration`` (no SET undoes any of it).
-What DuckDB's lock does not cover: it has no read-only allow-list. ``allowed_paths`` (and ``allowed_directories``)
-grant every operation on a file, writing included, so on a connection whose statements are not checked
-(``connect()``) ``COPY ... TO '<a view's file>' (USE_TMP_FILE false)`` overwrites that file where DuckDB reads it
-itself: a local store, and S3 through httpfs (with the default ``USE_TMP_FILE`` it writes a ``tmp_`` file first,
-which is refused). There, the statement check of ``query``/``read``/the CLI is what refuses writes. Roots read
-through fsspec (``memory://``, S3 without httpfs) are registered read-only (``ReadOnlyFileSystem``), which refuses
-every write on the connection itself. Reading local files that way too would close the gap, but costs about 10x
-the time of a query (3 s instead of 0.3 s over 2,000 files: every read is a Python call under the GIL).
+Read-only: ``query``, ``read`` and the CLI run exactly one statement, a read, and each connection is locked by
+DuckDB itself; infra/sql_read_only.py says how, and what DuckDB's lock does not cover.
 
 S3 (``s3://bucket/prefix``): DuckDB's own httpfs extension, loaded from the file shipped in the PyPI
 package ``duckdb-extension-httpfs`` (``LOAD '<site-packages>/duckdb_extension_httpfs/extensions/v1.5.5/
@@ -49,35 +37,35 @@ and its errors are DuckDB's own. If the extension cannot be loaded (no package, 
 version), it warns and falls back to registering the store's s3fs filesystem, which works with any DuckDB
 version; other fsspec roots (``memory://``) always use that way. Files are listed through the store either way.
 Secrets are never printed: DuckDB redacts them in ``duckdb_secrets()``; a rejected secret is reported without SQL.
+
+The command line is infra/sql_cli.py (``python -m infra.sql`` runs it).
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
 import importlib.util
-import json
 import logging
-import math
 import os
 import re
-import sys
 from collections.abc import Callable
-from datetime import date, datetime, time, timedelta
-from decimal import Decimal
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 import duckdb
-from fsspec import AbstractFileSystem
 
 from infra.config import endpoint_url_problem
 from infra.s3 import limit_httpfs
-from infra.store import ArtifactStore, StoreError
+from infra.sql_read_only import READS, ReadOnlyError, ReadOnlyFileSystem, check_read, lock
+from infra.store import ArtifactStore
 from infra.trajectories import EVAL_COLUMNS, PART, STEP_TABLES, TURN_COLUMNS
 
 logger = logging.getLogger(__name__)
+
+# The public names of the SQL tool, wherever they are defined (infra.sql is where the rest of the project imports
+# them from).
+__all__ = ["READS", "ReadOnlyError", "ReadOnlyFileSystem", "check_read", "connect", "main", "query", "read",
+           "s3_secret_options"]
 
 # table -> (partition column, its DuckDB type)
 VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("label", "VARCHAR")}
@@ -85,20 +73,10 @@ VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("labe
 # fixed schema).
 EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS,
                  "turns": TURN_COLUMNS}
-FORMATS = ("table", "csv", "json")
 # Files a connection leaves out of its views before giving up: more than a stray bad file is a damaged store.
 MAX_SKIPPED_FILES = 20
-READS = ("SELECT, WITH ... SELECT, FROM ..., VALUES, TABLE, DESCRIBE, SHOW, SUMMARIZE, PIVOT/UNPIVOT ... IN (...), "
-         "EXPLAIN [ANALYZE] of one of those")
 _CAST = re.compile(r'failed to cast column "(?P<column>.+?)" from type (?P<source>.+?) to (?P<target>.+?): ')
-# Leading comments, EXPLAIN, ANALYZE, options: what follows is the statement that EXPLAIN ANALYZE would run.
-_EXPLAIN = re.compile(r"(?:\s|--[^\n]*\n|/\*.*?\*/)*EXPLAIN\s+(?:ANALY[SZ]E\s+)?"
-                      r"(?:\((?![\s(]*(?:SELECT|WITH|FROM|VALUES|TABLE)\b)[^)]*\)\s*)?", re.IGNORECASE | re.DOTALL)
 T = TypeVar("T")
-
-
-class ReadOnlyError(ValueError):
-    """A statement or a file access that the read-only SQL tool refuses; the message names it."""
 
 
 def _literal(text: str) -> str:
@@ -160,43 +138,6 @@ def _create_s3_secret(con: duckdb.DuckDBPyConnection, endpoint_url: str | None) 
     except duckdb.Error as exc:  # its message could quote the statement, which holds the secret
         raise ValueError(f"DuckDB rejected the S3 settings ({type(exc).__name__}) for "
                          f"endpoint_url={endpoint_url!r}; check the AWS_* variables and --endpoint-url") from None
-
-
-class ReadOnlyFileSystem(AbstractFileSystem):
-    """The store's fsspec filesystem as DuckDB sees it, read-only: files open for reading only, and every call that
-    would create, change, move or remove something raises PermissionError naming it. DuckDB's own lock allows
-    writing to the files it may read (see the module docstring); this one does not."""
-
-    cachable = False  # one per connection, never shared through fsspec's instance cache
-
-    def __init__(self, fs: AbstractFileSystem):
-        super().__init__()
-        self.fs, self.protocol = fs, fs.protocol  # DuckDB routes the store's URLs here by their protocol
-
-    def _strip_protocol(self, path):
-        return self.fs._strip_protocol(path)
-
-    def _open(self, path, mode="rb", **kwargs):
-        if mode != "rb":
-            raise PermissionError(f"the store is read-only for SQL: cannot open {path!r} with mode {mode!r}")
-        return self.fs.open(path, "rb", **kwargs)
-
-    def info(self, path, **kwargs):
-        return self.fs.info(path, **kwargs)
-
-    def ls(self, path, detail=True, **kwargs):
-        return self.fs.ls(path, detail=detail, **kwargs)
-
-    def glob(self, path, **kwargs):
-        return self.fs.glob(path, **kwargs)
-
-    def modified(self, path):
-        return self.fs.modified(path)
-
-    def _refuse(self, path, *args, **kwargs):
-        raise PermissionError(f"the store is read-only for SQL: cannot change {path!r}")
-
-    rm = rm_file = rmdir = mv = cp_file = mkdir = makedirs = touch = pipe_file = put_file = _refuse
 
 
 def _attach_storage(con: duckdb.DuckDBPyConnection, store: ArtifactStore) -> None:
@@ -312,15 +253,6 @@ class _Views:
             self.files[table].remove(url)
 
 
-def _lock(con: duckdb.DuckDBPyConnection, files: list[str]) -> None:
-    """From now on: the views' files only (to DuckDB: any operation on them, writes included, which only
-    ReadOnlyFileSystem refuses), no other file or URL, no extension, no change of settings. Set last: the secret
-    and the views need the access they lose here."""
-    con.execute("SET allowed_paths = ?", [files])
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
-
-
 def _open(store_or_root: ArtifactStore | str, endpoint_url: str | None) -> _Views:
     store = store_or_root if isinstance(store_or_root, ArtifactStore) else ArtifactStore(store_or_root, endpoint_url)
     if store.is_remote:
@@ -333,7 +265,7 @@ def _open(store_or_root: ArtifactStore | str, endpoint_url: str | None) -> _View
         views = _Views(con, store)
         for table in VIEWS:
             views.define(table)
-        _lock(con, [url for urls in views.files.values() for url in urls])
+        lock(con, [url for urls in views.files.values() for url in urls])
     except BaseException:
         con.close()
         raise
@@ -360,21 +292,6 @@ def read(store_or_root: ArtifactStore | str, reader: Callable[[duckdb.DuckDBPyCo
         views.con.close()
 
 
-def check_read(sql: str) -> None:
-    """ValueError unless sql is exactly one statement; ReadOnlyError unless that statement is a read (READS)."""
-    statements = duckdb.extract_statements(sql)
-    if len(statements) != 1:
-        raise ValueError(f"only one SQL statement per query, got {len(statements)}: {sql!r:.300}")
-    kind = statements[0].type
-    if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs what it explains: judge that
-        explain = _EXPLAIN.match(sql)
-        explained = duckdb.extract_statements(sql[explain.end():]) if explain else []
-        kind = explained[0].type if len(explained) == 1 else kind
-    if kind != duckdb.StatementType.SELECT:
-        raise ReadOnlyError(f"the store is read-only: {kind.name} statements are refused ({sql.strip()!r:.300}); "
-                            f"allowed: {READS}")
-
-
 def query(root: ArtifactStore | str, sql: str, endpoint_url: str | None = None) -> list[dict]:
     """Run one read (check_read) over the store's views; -> rows as dicts (column name -> Python value)."""
     check_read(sql)
@@ -386,76 +303,11 @@ def query(root: ArtifactStore | str, sql: str, endpoint_url: str | None = None) 
     return read(root, rows, endpoint_url)
 
 
-# -------------------------------------------------------------------------------------------------- CLI
-
-
-def _jsonable(value):
-    """json.dumps fallback for DuckDB's Python values."""
-    if isinstance(value, (datetime, date, time)):
-        return value.isoformat()
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    return str(value)  # UUID, intervals, ...
-
-
-def _finite(value):
-    """NaN/inf -> their names as strings (JSON has no literal for them)."""
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _print(rel: duckdb.DuckDBPyRelation, fmt: str, max_rows: int) -> None:
-    if fmt == "table":
-        rel.show(max_rows=max_rows)
-        return
-    columns, rows = rel.columns, rel.fetchall()
-    if fmt == "csv":
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows(rows)
-    else:
-        records = [{name: _finite(value) for name, value in zip(columns, row)} for row in rows]
-        print(json.dumps(records, default=_jsonable, ensure_ascii=False, indent=1))
-
-
 def main(argv: list[str] | None = None) -> None:
-    """python -m infra.sql [--root R] [--endpoint-url U] [--format table|csv|json] [--max-rows N] "SQL" """
-    from infra.config import StorageConfig
+    """The command line (infra/sql_cli.py)."""
+    from infra.sql_cli import main as cli_main
 
-    default = StorageConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m infra.sql", description=__doc__.split("\n\n")[0],
-        epilog="views: rollouts, metrics, validation (run_id, step, ...); evals (run_id, label, ...). The store is "
-               f"read-only: one statement, a read ({READS}); refused: writes (COPY, CREATE, INSERT, ...), SET/PRAGMA "
-               "settings, INSTALL/LOAD, ATTACH, and any file or URL outside the store's run tables. A file DuckDB "
-               "cannot read is skipped with a warning naming it.")
-    parser.add_argument("sql", help="one read statement, e.g. \"SELECT count(*) FROM rollouts\"")
-    parser.add_argument("--root", default=default.root, help="local folder or s3://bucket/prefix")
-    parser.add_argument("--endpoint-url", default=default.endpoint_url, help="S3 endpoint (or AWS_ENDPOINT_URL)")
-    parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    parser.add_argument("--max-rows", type=int, default=40,
-                        help="rows shown by --format table (the count of hidden rows is printed); csv/json print all")
-    args = parser.parse_args(argv)
-    try:
-        store = _existing_store(args.root, args.endpoint_url)
-        check_read(args.sql)
-        read(store, lambda con: _print(con.sql(args.sql), args.format, args.max_rows))
-    except (duckdb.Error, StoreError, ValueError) as exc:
-        raise SystemExit("error: " + " ".join(str(exc).split())) from None
-
-
-def _existing_store(root: str, endpoint_url: str | None) -> ArtifactStore:
-    """The store at root; exit status 2 (bad input, as argparse's) when root is not one or holds nothing."""
-    try:
-        store = ArtifactStore(root, endpoint_url)
-        store.check_exists()
-    except (FileNotFoundError, ValueError) as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
-        raise SystemExit(2) from None
-    return store
+    cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -26,26 +26,8 @@ manifest exists and is valid.
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT. ``gc()`` removes a temp file
   (or a partial download into the cache) left by a killed process once it is untouched for an hour (GcReport).
 
-Integrity: every read of a version's files checks them against its manifest: the same file names (a listed file
-missing or a file the manifest does not list is corruption), sizes and sha256, hashed while streaming (1 MiB at a
-time). A difference raises ``CorruptArtifactError`` naming the version, each bad file with expected vs found, and
-the commands that check and remove it. When:
-- local ``get_dir(ref)`` (the version folder itself, read in place): every call hashes every file. A cheaper rule
-  (trusting an earlier check while names, sizes and mtimes are unchanged) would miss exactly what the check is
-  for: bytes that change underneath the file system (a bad disk, a restored backup) or a same-size write that
-  keeps the mtime. The cost is one sequential read of the version, small next to loading it.
-- s3, or ``get_dir(ref, dest)``: each file is checked as it is downloaded; a copy already in ``dest`` (the cache,
-  by default) is re-used only after the same check of every file (names, sizes, sha256), at the cost of a local
-  ``get_dir`` and for the same reason; a damaged copy in the cache is downloaded again, with a warning naming
-  what differed.
-- manifests: parsed and checked field by field on every read. A version whose manifest is not JSON, misses a
-  field or names another version is treated as not committed: listings skip it with a warning naming it, and a
-  read by its ref raises ``CorruptArtifactError``.
-- ``verify(ref)`` (CLI ``verify``) reads every byte of a version. ``put_dir`` of content that is already stored
-  verifies the stored copy and replaces it if it is corrupt (writing the same content again repairs a version).
-What is not guaranteed: authenticity. The checks catch accidental corruption; anyone who can write to the store
-can also write a manifest that matches their files. Against that, checkpoints are loaded without unpickling
-arbitrary objects (stages/model/safe_load.py): a forged checkpoint can hold wrong numbers, but cannot run code.
+Integrity: every read of a version's files is checked against its manifest (infra/store_reads.py says when and
+how).
 
 Repair: ``verify`` reports each corrupt version, ``delete`` removes one (a damaged manifest too), ``gc`` removes
 leftovers of crashed writes and lists the versions whose manifest is corrupt (no reader sees them, so checkpoint
@@ -60,123 +42,40 @@ the time goes): a refused connection fails in seconds, an endpoint that accepts 
 within ``infra.s3.stall_bound_s`` (18 s with the defaults, 42 s for a 16 MiB upload), each time with a
 ``StoreError`` naming the operation, ``storage.root``, ``storage.endpoint_url``, the time waited and the fix.
 
+Modules: this one holds the class, its commits and listings; infra/store_base.py the errors and reserved names,
+infra/store_reads.py the checked reads and the download cache, infra/store_tables.py the mutable tables,
+infra/store_gc.py garbage collection, infra/store_cli.py the command line.
+
 CLI: ``python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions KIND/NAME |
 show KIND/NAME@VERSION | verify [KIND/NAME[@VERSION]] | delete KIND/NAME@VERSION | gc [--corrupt]``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import fsspec
-from botocore.exceptions import BotoCoreError, ConnectTimeoutError, NoCredentialsError, ReadTimeoutError
-from fsspec.exceptions import FSTimeoutError
+from botocore.exceptions import NoCredentialsError
 
-from infra.artifacts import (
-    MANIFEST,
-    ArtifactRef,
-    Manifest,
-    copy_problems,
-    file_problems,
-    file_sha256,
-    hash_dir,
-    stream_sha256,
-)
+from infra.artifacts import MANIFEST, ArtifactRef, Manifest, hash_dir
 from infra.config import ConfigError, StorageConfig, endpoint_url_problem
 from infra.s3 import s3_filesystem, stall_bound_s
+from infra.store_base import ARTIFACTS, CONNECTION_ERRORS, STAGING, TIMEOUTS, CorruptArtifactError, StoreError
+from infra.store_gc import GC_MIN_AGE_S, GarbageCollection, GcReport
+from infra.store_reads import VerifiedReads
+from infra.store_tables import TableFiles
 
 logger = logging.getLogger(__name__)
 
-ARTIFACTS = "artifacts"
-STAGING = ".staging"
-_CONNECTION_ERRORS = (BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, FSTimeoutError)
-_TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError, asyncio.TimeoutError, FSTimeoutError)
-
-
-class StoreError(RuntimeError):
-    """Storage unreachable or a write failed; the message names the root, the endpoint and the fix."""
-
-
-class CorruptArtifactError(StoreError):
-    """A stored version differs from its manifest, or its manifest is unreadable; the message names the version,
-    each bad file with expected vs found, and the commands that check and remove it."""
-
-
-GC_MIN_AGE_S = 3600.0
-PARTIAL = ".partial-"  # get_dir downloads into .<version>.partial-<random> beside its destination, then renames it
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What one gc found and removed.
-
-    leftovers: staging folders and version folders without a manifest (crashed artifact writes), removed.
-    temp_files: removed temp files of table writes (``.<name>.<random>.tmp`` beside the file, local roots) and partial
-      downloads into the cache (``.<version>.partial-<random>/``) untouched (newest mtime in them) for
-      ``temp_min_age_s``: GC_MIN_AGE_S = 1 h, or twice the longest one S3 request can go silent (`stall_bound_s`)
-      if that is longer. A live write renames its temp file right after writing it, and a download writes as the
-      bytes arrive or fails within `stall_bound_s`; a process silent for an hour also lost its stage lease 30 times
-      over (lease.TTL_S = 120 s). So only the temp files of killed processes are that old.
-    num_fresh_temp: younger ones, kept (they may belong to a write in progress).
-    corrupt: versions whose manifest exists but is not valid. Readers skip them, so checkpoint pruning never
-      removes them; they are removed only when asked (corrupt_removed), since their files may still be worth
-      saving by hand. A version being written has no manifest yet: it is never among them.
-    """
-
-    leftovers: list[str]
-    temp_files: list[str]
-    num_fresh_temp: int
-    corrupt: list[ArtifactRef]
-    corrupt_removed: bool
-
-    @property
-    def num_removed(self) -> int:
-        return len(self.leftovers) + len(self.temp_files) + (len(self.corrupt) if self.corrupt_removed else 0)
-
-
-def _is_temp(filename: str) -> bool:
-    """A temp file of _temp_file (write_bytes, create_exclusive) by its name."""
-    return filename.startswith(".") and filename.endswith(".tmp")
-
-
-def _last_touched(path: Path) -> float:
-    """The newest mtime of path and everything under it; now if it vanishes meanwhile (its writer just finished)."""
-    try:
-        times = [path.lstat().st_mtime]
-        for folder, subfolders, files in os.walk(path):
-            times += [Path(folder, name).lstat().st_mtime for name in subfolders + files]
-    except FileNotFoundError:
-        return time.time()
-    return max(times)
-
-
-def _temp_file(path: Path) -> tuple[int, str]:
-    """A temp file beside `path` with the mode a plain open() would give it: mkstemp makes it 0600, and the table
-    files, reports and configs renamed from it must be as readable as the artifacts beside them (shared stores)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~_UMASK)
-    return fd, tmp
-
-
-def _process_umask() -> int:
-    """The umask, read at import (os.umask can only be read by setting it, which must not race other threads)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-_UMASK = _process_umask()
+# Imported from here by the rest of the project (the store's public names, wherever they are defined).
+__all__ = ["ArtifactStore", "CorruptArtifactError", "GC_MIN_AGE_S", "GcReport", "StoreError"]
 
 
 def _local_root(root: str) -> str:
@@ -192,7 +91,7 @@ def _local_root(root: str) -> str:
                           "path out in full" + (", or use ~/... for your own home" if user else "")) from None
 
 
-class ArtifactStore:
+class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
     """Versioned artifacts and mutable tables under one root; see the module docstring."""
 
     def __init__(self, root: str, endpoint_url: str | None = None, cache_dir: str | Path | None = None,
@@ -246,7 +145,7 @@ class ArtifactStore:
         start = time.monotonic()
         try:
             yield
-        except _CONNECTION_ERRORS as exc:
+        except CONNECTION_ERRORS as exc:
             raise self._network_error(action, exc, time.monotonic() - start) from exc
 
     def _network_error(self, action: str, exc: BaseException, waited_s: float, note: str = "") -> StoreError:
@@ -254,7 +153,7 @@ class ArtifactStore:
         limits = self.limits
         if isinstance(exc, NoCredentialsError):
             fix = "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment"
-        elif isinstance(exc, _TIMEOUTS):
+        elif isinstance(exc, TIMEOUTS):
             fix = (f"the endpoint did not answer in {limits.max_attempts} attempts of storage.timeout_s="
                    f"{limits.timeout_s:g} s ({stall_bound_s(limits):.0f} s at most without upload): check that the "
                    "S3 server is up and not overloaded and that nothing on the way holds connections open; on a slow "
@@ -275,20 +174,21 @@ class ArtifactStore:
         """Version folders holding a manifest file (valid or not)."""
         return [p.rsplit("/", 1)[0] for p in self.fs.glob(self._path(ARTIFACTS, kind, name, "*", MANIFEST))]
 
-    def _cli(self, *args: str) -> str:
+    def cli_command(self, *args: str) -> str:
+        """`python -m infra.store` with this store's --root (and --endpoint-url) and args, quoted for a message."""
         endpoint = f" --endpoint-url {self.endpoint_url}" if self.endpoint_url else ""
         return f"`python -m infra.store --root {self.root}{endpoint} {' '.join(args)}`"
 
     def not_found(self, what: str, *listing: str) -> FileNotFoundError:
         """`what` is not in the store; the message gives the CLI command (`listing`'s arguments) that lists what is."""
         return FileNotFoundError(f"{what} is not in the store at {self._where()}; list what is with "
-                                 f"{self._cli(*listing)}")
+                                 f"{self.cli_command(*listing)}")
 
     def _corrupt(self, ref: ArtifactRef, problems: list[str]) -> CorruptArtifactError:
         return CorruptArtifactError(
             f"{ref} at {self._where()} is corrupt: {'; '.join(problems)}. Check it with "
-            f"{self._cli('verify', str(ref))}, remove it with {self._cli('delete', str(ref))}, then re-create it "
-            "(re-run the stage that made it)")
+            f"{self.cli_command('verify', str(ref))}, remove it with {self.cli_command('delete', str(ref))}, then "
+            "re-create it (re-run the stage that made it)")
 
     def check(self) -> None:
         """Fail fast with StoreError if the root cannot be reached or written."""
@@ -304,7 +204,7 @@ class ArtifactStore:
             with self._errors("reaching the bucket"):
                 try:
                     self.fs.call_s3("head_bucket", Bucket=bucket)
-                except _CONNECTION_ERRORS:
+                except CONNECTION_ERRORS:
                     raise  # botocore's timeouts are OSErrors too: not a bucket problem, _errors reports them
                 except OSError as exc:
                     raise StoreError(f"bucket {bucket!r} of {self._where()} is not usable ({exc!r}): create it "
@@ -350,26 +250,6 @@ class ArtifactStore:
             raise self._corrupt(ref, [f"{MANIFEST} describes {manifest.ref}"])
         return manifest
 
-    def verify(self, ref: ArtifactRef) -> Manifest:
-        """Check the stored files of ref against its manifest (names, sizes, sha256 of every byte); -> the manifest.
-        CorruptArtifactError listing each difference."""
-        manifest, vdir = self.manifest(ref), self._vdir(ref)
-        with self._errors(f"verifying {ref}"):
-            problems = file_problems(manifest, self._file_sizes(vdir), lambda rel: self._sha256(f"{vdir}/{rel}"))
-        if problems:
-            raise self._corrupt(ref, problems)
-        return manifest
-
-    def _file_sizes(self, vdir: str) -> dict[str, int]:
-        """relpath -> size of every file under the version folder vdir, its manifest left out."""
-        sizes = {path[len(vdir) + 1:]: info["size"] for path, info in self.fs.find(vdir, detail=True).items()}
-        sizes.pop(MANIFEST, None)
-        return sizes
-
-    def _sha256(self, path: str) -> str:
-        with self.fs.open(path, "rb") as f:
-            return stream_sha256(f)
-
     def put_dir(self, kind: str, name: str, local_dir: str | Path, *, inputs: dict | None = None,
                 config_hash: str = "", metadata: dict | None = None) -> ArtifactRef:
         """Store every file under local_dir as kind/name@<content hash>; idempotent for the same content (an
@@ -403,7 +283,7 @@ class ArtifactStore:
         """Best-effort removal of a failed write; gc() removes what is left."""
         try:
             self.fs.rm(path, recursive=True)
-        except (*_CONNECTION_ERRORS, OSError) as exc:
+        except (*CONNECTION_ERRORS, OSError) as exc:
             logger.warning("could not clean up %s (%s); run `python -m infra.store gc` later", path, exc)
 
     def _commit_local(self, ref: ArtifactRef, sources: dict[str, Path], manifest: Manifest) -> None:
@@ -427,9 +307,9 @@ class ArtifactStore:
             for rel, src in sources.items():
                 self._write_file(src, f"{vdir}/{rel}")
             self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
-        except (*_CONNECTION_ERRORS, OSError) as exc:
+        except (*CONNECTION_ERRORS, OSError) as exc:
             waited_s = time.monotonic() - start
-            if not isinstance(exc, _TIMEOUTS):  # a storage that does not answer would hold these as long again
+            if not isinstance(exc, TIMEOUTS):  # a storage that does not answer would hold these as long again
                 committed = self._committed_meanwhile(ref)
                 if committed:
                     logger.warning("the upload of %s failed (%s), but the version is committed with a valid manifest "
@@ -451,60 +331,6 @@ class ArtifactStore:
             logger.warning("could not check whether %s was committed meanwhile (%s); leaving its files alone", ref,
                            exc)
             return None
-
-    def get_dir(self, ref: ArtifactRef, dest: str | Path | None = None) -> Path:
-        """A local folder with the files of ref (plus _manifest.json), checked against the manifest
-        (CorruptArtifactError if they differ; see the module docstring).
-
-        Local store and no dest: the version folder itself (read-only use), verified in full at every call.
-        Otherwise the files are copied or downloaded into dest (default: ``cache_dir/kind/name/version``), each
-        checked as it arrives; a copy already there is verified in full and re-used if intact, and replaced
-        (with a warning) if it is the cache's.
-        """
-        if not self.is_remote and dest is None:
-            self.verify(ref)
-            return Path(self._vdir(ref))
-        manifest = self.manifest(ref)
-        cached = dest is None
-        dest = Path(dest) if dest is not None else self.cache_dir / ref.kind / ref.name / ref.version
-        problems = copy_problems(dest, manifest)
-        if not problems:
-            return dest
-        if dest.exists() and any(dest.iterdir()):
-            if not cached:
-                raise ValueError(f"dest={str(dest)!r} exists and is not a complete copy of {ref} "
-                                 f"({'; '.join(problems)}); pass an empty or new folder")
-            logger.warning("the cached copy %s of %s is incomplete or damaged (%s); downloading it again", dest, ref,
-                           "; ".join(problems))
-            shutil.rmtree(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}{PARTIAL}"))
-        try:
-            self._download(manifest, partial)
-            if dest.exists():
-                dest.rmdir()  # empty, checked above
-            os.rename(partial, dest)
-        except BaseException as exc:
-            shutil.rmtree(partial, ignore_errors=True)
-            if not (isinstance(exc, OSError) and not copy_problems(dest, manifest)):  # else: a concurrent
-                raise  # reader finished the same copy first
-        return dest
-
-    def _download(self, manifest: Manifest, target: Path) -> None:
-        """Copy the version's files into target, checking names, sizes and sha256 against the manifest."""
-        vdir = self._vdir(manifest.ref)
-
-        def fetch(rel: str) -> str:  # one file of the right size: download it, -> the sha256 of the copy
-            local = target / rel
-            local.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(f"{vdir}/{rel}", str(local))
-            return file_sha256(local)
-
-        with self._errors(f"downloading {manifest.ref}"):
-            problems = file_problems(manifest, self._file_sizes(vdir), fetch)
-        if problems:
-            raise self._corrupt(manifest.ref, problems)
-        (target / MANIFEST).write_bytes(manifest.to_json())
 
     def versions(self, kind: str, name: str) -> list[Manifest]:
         """Committed versions of kind/name, oldest first (by created)."""
@@ -559,163 +385,6 @@ class ArtifactStore:
             if self.fs.exists(f"{vdir}/{MANIFEST}"):
                 self.fs.rm_file(f"{vdir}/{MANIFEST}")
             self.fs.rm(vdir, recursive=True)
-
-    @property
-    def temp_min_age_s(self) -> float:
-        """How long gc leaves a temp file or partial download untouched before removing it (see GcReport)."""
-        return max(GC_MIN_AGE_S, 2 * stall_bound_s(self.limits))
-
-    def gc(self, *, remove_corrupt: bool = False) -> int:
-        """Remove what crashed writes left (see `sweep`); -> how many paths were removed."""
-        return self.sweep(remove_corrupt=remove_corrupt).num_removed
-
-    def sweep(self, *, remove_corrupt: bool = False) -> GcReport:
-        """Remove leftovers of crashed writes and stale temp files; find versions with a corrupt manifest and remove
-        them only if remove_corrupt. -> what was found and removed (GcReport says what each kind is and when it goes).
-
-        Only run it when no artifact write is in progress: a staging folder or an upload in flight looks exactly like
-        a crashed one. Temp files and partial downloads are safe at any time (they go only once stale).
-        """
-        with self._errors("garbage collection"):
-            leftovers = self._ls_dirs(self._path(STAGING))
-            committed = set(self._committed_dirs())
-            for kind_dir in self._ls_dirs(self._path(ARTIFACTS)):
-                for name_dir in self._ls_dirs(kind_dir):
-                    leftovers += [v for v in self._ls_dirs(name_dir) if v not in committed]
-            for path in leftovers:
-                logger.info("gc: removing %s", path)
-                self.fs.rm(path, recursive=True)
-            corrupt = self._corrupt_manifests(sorted(committed))
-            for ref in corrupt if remove_corrupt else []:
-                logger.warning("gc: removing %s (its manifest is corrupt)", ref)
-                self.delete(ref)
-        temp_files, num_fresh = self._remove_stale_temp()
-        return GcReport(leftovers, temp_files, num_fresh, corrupt, remove_corrupt)
-
-    def _corrupt_manifests(self, vdirs: list[str]) -> list[ArtifactRef]:
-        """The versions among vdirs (folders holding a manifest) whose manifest is not a valid one of them."""
-        found = self.fs.cat([f"{d}/{MANIFEST}" for d in vdirs], on_error="return") if vdirs else {}
-        corrupt = []
-        for path, data in sorted(found.items()):
-            if isinstance(data, FileNotFoundError):
-                continue  # deleted meanwhile
-            if isinstance(data, BaseException):
-                raise data  # _errors reports a connection failure
-            try:
-                ref = ArtifactRef(*path.rsplit("/", 4)[1:4])
-            except ValueError:
-                continue  # not a version folder: manifest_refs() warns about it
-            try:
-                self._parse_manifest(data, ref)
-            except CorruptArtifactError:
-                corrupt.append(ref)
-        return corrupt
-
-    def _remove_stale_temp(self) -> tuple[list[str], int]:
-        """Remove the temp files of table writes (local roots) and the partial downloads in the cache untouched for
-        temp_min_age_s; -> (removed paths, how many younger ones were kept)."""
-        cutoff = time.time() - self.temp_min_age_s
-        found = [*self.cache_dir.glob(f"*/*/.*{PARTIAL}*")]
-        if not self.is_remote and os.path.isdir(self._base):
-            for folder, subfolders, files in os.walk(self._base):
-                if folder == self._base:  # artifacts/ and .staging/ hold files of versions, named as their owner chose
-                    subfolders[:] = [d for d in subfolders if d not in (ARTIFACTS, STAGING)]
-                found += [Path(folder, f) for f in files if _is_temp(f)]
-        removed = []
-        for path in found:
-            if _last_touched(path) < cutoff:
-                logger.info("gc: removing %s (untouched for over %.0f s)", path, self.temp_min_age_s)
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-                removed.append(str(path))
-        return removed, len(found) - len(removed)
-
-    def _table_path(self, relpath: str) -> str:
-        parts = relpath.split("/")
-        if not relpath or relpath.startswith("/") or ".." in parts or "" in parts or parts[0] in (ARTIFACTS, STAGING):
-            raise ValueError(f"relpath={relpath!r}: use a relative 'a/b/file' path without '..', outside "
-                             f"{ARTIFACTS}/ and {STAGING}/ (those hold immutable artifacts)")
-        return self._path(relpath)
-
-    def write_bytes(self, relpath: str, data: bytes) -> None:
-        """Write one file atomically (readers see the old or the new content, never a partial file)."""
-        path = self._table_path(relpath)
-        if self.is_remote:
-            with self._errors(f"writing {relpath}"):
-                self.fs.pipe_file(path, data)
-            return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _temp_file(Path(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def create_exclusive(self, relpath: str, data: bytes) -> bool:
-        """Write a new file atomically unless one exists; -> False if it existed (nothing written). For locks:
-        local = a complete temp file hard-linked into place (link fails on an existing name); S3 = a conditional
-        PUT (If-None-Match: *, which S3 and moto honour); other fsspec roots check first (not atomic)."""
-        path = self._table_path(relpath)
-        if self.root.startswith("s3://"):
-            bucket, _, key = path.partition("/")
-            with self._errors(f"creating {relpath}"):
-                try:
-                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-                except FileExistsError:  # s3fs's name for 412 PreconditionFailed
-                    return False
-            return True
-        if self.is_remote:
-            if self.fs.exists(path):
-                return False
-            self.fs.pipe_file(path, data)
-            return True
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _temp_file(Path(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-
-    def delete_table_file(self, relpath: str) -> None:
-        """Remove one table file (missing is fine)."""
-        path = self._table_path(relpath)
-        with self._errors(f"removing {relpath}"):
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
-
-    def read_bytes(self, relpath: str) -> bytes:
-        """The content of one table file; FileNotFoundError if missing."""
-        with self._errors(f"reading {relpath}"):
-            return self.fs.cat_file(self._table_path(relpath))
-
-    def glob(self, pattern: str) -> list[str]:
-        """Sorted relative paths matching pattern (e.g. 'runs/x/trajectories/*.parquet'); no temp files."""
-        self._table_path(pattern)
-        with self._errors(f"glob {pattern}"):
-            found = self.fs.glob(self._path(pattern))
-        rels = [p[len(self._base) + 1:] for p in found]
-        return sorted(r for r in rels if not _is_temp(r.rsplit("/", 1)[-1]))
-
-    def url(self, relpath: str) -> str:
-        """Full path or URL of relpath for DuckDB/pyarrow/fsspec (open it with storage_options())."""
-        path = self._path(relpath)
-        return self.fs.unstrip_protocol(path) if self.is_remote else path
-
-    def storage_options(self) -> dict:
-        """fsspec/pyarrow/pandas options to open url()s: the endpoint, never credentials."""
-        return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
 
 
 if __name__ == "__main__":  # the CLI lives in infra/store_cli.py; `python -m infra.store` stays its command

@@ -105,7 +105,7 @@ def _gc(store: ArtifactStore, remove_corrupt: bool) -> None:
         print(f"removed {len(report.corrupt)} versions with a corrupt manifest: {corrupt}")
     else:
         print(f"kept {len(report.corrupt)} versions with a corrupt manifest: {corrupt} (no reader loads them; "
-              f"remove them with {store._cli('gc', '--corrupt')})")
+              f"remove them with {store.cli_command('gc', '--corrupt')})")
 
 
 def _kind_name(text: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import sql
+from infra import sql_cli
 from infra.store import ArtifactStore
 from infra.store_cli import main as store_cli
 
@@ -83,10 +83,11 @@ def test_store_cli_bad_input_exits_2(store, capsys):
 
 def test_sql_cli_on_a_missing_root_exits_2_naming_it(tmp_path, capsys):
     nowhere = tmp_path / "never-written"
-    code, out, err = run(capsys, sql.main, "--root", str(nowhere), "SELECT count(*) FROM rollouts")
+    code, out, err = run(capsys, sql_cli.main, "--root", str(nowhere), "SELECT count(*) FROM rollouts")
     assert (code, out) == (2, "")
     assert err.startswith(f"error: there is no store at storage.root={str(nowhere)!r}") and "--root" in err, err
     assert not nowhere.exists()
     ArtifactStore(str(nowhere)).check()  # an empty store is a store: 0 rows
-    code, out, err = run(capsys, sql.main, "--root", str(nowhere), "--format", "csv", "SELECT count(*) AS n FROM rollouts")
+    code, out, err = run(capsys, sql_cli.main, "--root", str(nowhere), "--format", "csv",
+                         "SELECT count(*) AS n FROM rollouts")
     assert (code, out) == (0, "n\n0\n"), err
