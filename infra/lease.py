@@ -10,7 +10,9 @@ heartbeat is older than `TTL_S` or its process is gone on this host (a killed fl
 Taking over a stale lease deletes it and creates a new one. Two waiters that read the same stale record must not
 both do that (the second would delete the first's fresh lease): a taker first creates the marker
 `leases/<name>.json.taken-<hash of the record>` exclusively, and deletes the lease only if it still holds the
-record it read. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM) and whose lease was
+record it read. A marker outlives its taker's few milliseconds only if the taker was killed in between; one
+older than `TTL_S` (by its own time, or since a waiter first read it) is removed, and the waiters sleep `POLL_S`
+meanwhile. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM) and whose lease was
 taken over finds another owner at its next renewal: it writes nothing more to the lease, and `check(name)`, which
 the stage's checkpoints and tables call before they write, raises `LeaseLost`, so two flows never train one run.
 """
@@ -125,8 +127,10 @@ def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
             continue  # released between our two calls
         record = _parse(raw, seen.setdefault(raw, time.time()))
         if record.get("owner") == owner or is_stale(record):
-            logger.warning("%s: taking over the lease of %s (its holder is gone)", path, record.get("owner"))
-            _take_over(store, path, raw)
+            if _take_over(store, path, raw, seen):
+                logger.warning("%s: took over the lease of %s (its holder is gone)", path, record.get("owner"))
+            else:
+                time.sleep(POLL_S)  # another waiter is taking it over: the next create_exclusive decides
             continue
         if not said:
             logger.warning("%s is held by flow run %s (pid %s on %s): the same stage run is being trained there; "
@@ -139,16 +143,34 @@ def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
         logger.warning("%s: lease taken, going on", path)
 
 
-def _take_over(store: ArtifactStore, path: str, raw: bytes) -> None:
-    """Delete the stale lease `raw` unless another waiter is taking it over or has done so already."""
+def _take_over(store: ArtifactStore, path: str, raw: bytes, seen: dict[bytes, float] | None = None) -> bool:
+    """Delete the stale lease `raw` unless another waiter is taking it over or has done so already; -> whether this
+    one deleted it. seen: marker contents -> when this process first read them (for one without a time)."""
     marker = f"{path}.taken-{hashlib.sha256(raw).hexdigest()[:16]}"
-    if not store.create_exclusive(marker, b"{}"):
-        return  # another waiter is taking over this record: the next create_exclusive decides
+    if not store.create_exclusive(marker, json.dumps({"renewed": time.time()}).encode()):
+        _drop_abandoned(store, marker, {} if seen is None else seen)
+        return False  # another waiter is taking over this record: the next create_exclusive decides
     try:
         if _read_raw(store, path) == raw:
             store.delete_table_file(path)
+            return True
+        return False
     finally:
         store.delete_table_file(marker)
+
+
+def _drop_abandoned(store: ArtifactStore, marker: str, seen: dict[bytes, float]) -> None:
+    """Remove a take-over marker older than TTL_S. Its taker removes it within milliseconds unless it was killed in
+    between; left there, it would stop every later take-over of the same stale record, forever."""
+    raw = _read_raw(store, marker)
+    if raw is None:
+        return
+    first_seen = seen.setdefault(raw, time.time())
+    renewed = _parse(raw, first_seen).get("renewed")  # a marker without a time (older code wrote {}) ages from
+    if time.time() - (renewed if isinstance(renewed, (int, float)) else first_seen) > TTL_S:  # its first sight
+        logger.warning("%s: removing a take-over marker older than %.0f s (its taker is gone)", marker, TTL_S)
+        if _read_raw(store, marker) == raw:
+            store.delete_table_file(marker)
 
 
 def _renew(store: ArtifactStore, path: str, name: str, owner: str, stop: threading.Event) -> None:

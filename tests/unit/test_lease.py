@@ -158,3 +158,46 @@ def test_an_unreadable_lease_goes_stale(tmp_path, monkeypatch):
     with lease.stage_lease(store, "sft-u", "flow-9"):
         assert json.loads(store.read_bytes("leases/sft-u.json"))["owner"] == "flow-9"
     assert store.glob("leases/*") == []
+
+
+def test_a_marker_left_by_a_killed_taker_does_not_block_or_spin_the_waiters(tmp_path, monkeypatch):
+    """A taker killed between creating its marker and removing it (milliseconds) leaves the marker behind: the
+    waiters must sleep meanwhile (not call the store in a tight loop), and take over once the marker is older than
+    TTL_S, counted from when they first read it when it carries no time (here: b"{}")."""
+    monkeypatch.setattr(lease, "TTL_S", 0.5)
+    store = ArtifactStore(str(tmp_path / "store"))
+    path, stale = "leases/rl-m.json", _stale("gone")
+    store.write_bytes(path, stale)
+    marker = f"{path}.taken-{hashlib.sha256(stale).hexdigest()[:16]}"
+    assert store.create_exclusive(marker, b"{}")
+    calls, create = [], store.create_exclusive
+
+    def counted(relpath, data):
+        calls.append(relpath)
+        if len(calls) > 1000:
+            raise RuntimeError("the waiter calls the store in a tight loop")
+        return create(relpath, data)
+
+    monkeypatch.setattr(store, "create_exclusive", counted)
+    start = time.monotonic()
+    with lease.stage_lease(store, "rl-m", "flow-10"):
+        waited_s = time.monotonic() - start
+        assert json.loads(store.read_bytes(path))["owner"] == "flow-10"
+    assert lease.TTL_S <= waited_s < 5
+    # one round of create_exclusive (lease, marker) per POLL_S = 0.02 s, plus the take-over: 2 * 0.5 / 0.02 + 3
+    assert len(calls) <= 2 * waited_s / lease.POLL_S + 3, len(calls)
+    assert store.glob("leases/*") == []  # the old marker and the lease are gone
+
+
+def test_a_marker_with_a_recent_time_is_respected(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    path, stale = "leases/rl-n.json", _stale("gone")
+    store.write_bytes(path, stale)
+    marker = f"{path}.taken-{hashlib.sha256(stale).hexdigest()[:16]}"
+    assert store.create_exclusive(marker, json.dumps({"renewed": time.time()}).encode())
+    assert not lease._take_over(store, path, stale, {})  # a taker is at work: leave the lease to it
+    assert store.read_bytes(path) == stale and store.read_bytes(marker)
+    store.write_bytes(marker, json.dumps({"renewed": time.time() - lease.TTL_S - 1}).encode())
+    assert not lease._take_over(store, path, stale, {})  # its taker died: the marker goes, the next round takes over
+    assert store.glob("leases/*") == [path]
+    assert lease._take_over(store, path, stale, {}) and store.glob("leases/*") == []
