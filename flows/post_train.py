@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
 
+from flows import interrupt
 from infra import prefect_env
 
+if __name__ == "__main__":
+    interrupt.quiet_while_starting()  # Ctrl-C while torch, Prefect and Ray load: no import machinery's traceback
 prefect_env.configure()
 
 from prefect import flow, get_run_logger  # noqa: E402
@@ -212,6 +216,15 @@ def _check_local_cluster(cfg: Config) -> None:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: how to resume, not Prefect's and our frames (flows/interrupt.py)
+        print(f"\n{interrupt.interrupted_message(argv)}", file=sys.stderr, flush=True)
+        return interrupt.EXIT_CODE
+
+
+def _main(argv: list[str]) -> int:
     recipe, overrides, verl = parse_args(argv)
     if "--refresh-cache" in argv:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
@@ -228,6 +241,7 @@ def main(argv: list[str]) -> int:
         return 2
     if cfg.tracking.console == "quiet":
         hide_chatter()
+    interrupt.start_prefect_server()  # out of Ctrl-C's reach (flows/interrupt.py)
     # A failed run's error and traceback are on the console already (Prefect logs them): no second traceback.
     return 1 if post_train(recipe, overrides, return_state=True).is_failed() else 0
 

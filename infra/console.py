@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # what our flow and ta
 WORKER_LOG_ENV = "RLPIPE_WORKER_LOG"  # the running stage's worker log file; set only in quiet mode
 WORKER_HOOK = "infra.console.redirect_worker_output"
 FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | {} - %(message)s"  # Prefect's, for one look in every log
+INTERRUPTED = "aborted by an interrupt signal"  # Prefect's words for a KeyboardInterrupt in a flow or task run
 LINES = logging.getLogger("flows.console")  # the flow's own lines: on the console in both modes, and in run.log
 
 
@@ -45,7 +47,9 @@ class QuietFilter(logging.Filter):
     """What a quiet console shows of the log records: errors from anyone, warnings from our code, a task run's
     failed attempt that Prefect retries (logged at INFO). A failed stage's error comes with its traceback from
     the task run; the flow run's report of the same error (whose traceback repeats it through Prefect's frames)
-    stays in run.log."""
+    stays in run.log, and so do Prefect's reports of a Ctrl-C ('Crash detected! Execution was aborted by an
+    interrupt signal.', for the task and for the flow): the command line says it was interrupted, and how to
+    resume (flows/interrupt.py)."""
 
     def __init__(self):
         super().__init__()
@@ -56,6 +60,8 @@ class QuietFilter(logging.Filter):
         if record.name == "prefect.task_runs" and error:
             self.task_error = error
         elif record.name == "prefect.flow_runs" and error and error == self.task_error:
+            return False
+        if record.name in RUN_LOGGERS and INTERRUPTED in record.getMessage():
             return False
         if record.name == "prefect.task_runs" and record.getMessage().startswith("Task run failed"):
             return True
@@ -173,13 +179,32 @@ class RunConsole:
             self._undo.append(hf_logging.enable_progress_bar)
 
 
+@contextmanager
+def bars_closed_on_error() -> Iterator[None]:
+    """Around a stage's work in its task: when it raises (an error, Ctrl-C), the progress bars it left open are
+    closed, so that the next line (Prefect's report of the error, the command line's message) starts a line of its
+    own instead of running on after the bar."""
+    try:
+        yield
+    except BaseException:
+        from tqdm import tqdm
+
+        for bar in list(tqdm._instances):
+            bar.close()
+        raise
+
+
 def redirect_worker_output() -> None:
     """Ray's `worker_process_setup_hook` in quiet mode: this worker's stdout and stderr go to the stage's log
     file (`WORKER_LOG_ENV`, appended to by every worker of the stage); warnings of our loggers also go to the
-    worker's original stderr, which Ray streams to the driver's console."""
+    worker's original stderr, which Ray streams to the driver's console. The worker ignores Ctrl-C."""
     path = os.environ.get(WORKER_LOG_ENV)
     if not path:
         return
+    # Ctrl-C in the terminal reaches the workers of a local cluster too (its processes share the terminal's
+    # process group): the driver stops them, and says how to resume, while a worker that Ctrl-C ended made Ray print
+    # "(raylet) Task ... failed" on the console.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.makedirs(os.path.dirname(path), exist_ok=True)  # a worker on another node writes it there
     console = os.fdopen(os.dup(2), "w", buffering=1)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

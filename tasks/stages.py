@@ -37,6 +37,7 @@ from prefect.settings import get_current_settings  # noqa: E402
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
 from infra.config import Config, StorageConfig, apply_override, config_hash  # noqa: E402
+from infra.console import bars_closed_on_error  # noqa: E402
 from infra.lease import LeaseLost, stage_lease  # noqa: E402
 from infra.orphans import SCRATCH  # noqa: E402
 from infra.store import ArtifactStore, CorruptArtifactError  # noqa: E402
@@ -328,7 +329,8 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
         made = [m.ref for m in store.versions("model", "sft") if m.config_hash == key]
         if made and not refresh_cache():  # a concurrent flow with the same config
             return str(made[-1])  # trained it while this one waited for the lease
-        with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft") as tracker:
+        with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft") as tracker, \
+                bars_closed_on_error():
             result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
             ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
                                 metadata={"steps": result.num_steps, "metrics": result.final_metrics})
@@ -362,7 +364,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
         final = checkpoints.at_step(cfg.rl.total_steps)
         if final and not refresh_cache():  # a concurrent flow with the same config trained it while this one
             return str(final)  # waited for the lease
-        with _tracker(cfg, ctx, "rl") as tracker:
+        with _tracker(cfg, ctx, "rl") as tracker, bars_closed_on_error():
             result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints,
                             RunTables(store, run_id), tracker)
     record_automatic_settings(store, ctx, result.automatic)
