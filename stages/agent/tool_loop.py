@@ -10,8 +10,9 @@ A turn ends the trajectory when it has no tool call (`stop`), when the token bud
 `max_assistant_turns` / `max_user_turns` is reached (`max_turns`; tool and user turns both count against
 `max_user_turns`, as in verl). Malformed calls, unknown tools, bad
 arguments, raising or hanging tools become error texts the model reads (stages/tools/calls.py); calls beyond
-`max_parallel_calls` in one turn get an error text too. Tool answers are cut to `max_tool_response_length`
-characters on `tool_response_truncate_side`.
+`max_parallel_calls` in one turn get an error text too. The model reads one answer per call, in the order it
+wrote the calls (as verl's and OpenAI's tool messages are), whether the answer is the tool's, a parse error or a
+refusal. Tool answers are cut to `max_tool_response_length` characters on `tool_response_truncate_side`.
 
 Concurrency: all trajectories of a batch run as coroutines. Their generation requests go through
 `BatchedEngine`, which sends whatever is pending as one batched engine call in a worker thread, so a sample
@@ -45,8 +46,9 @@ from stages.agent.loops import AGENT_LOOPS, AgentLoop, GenerateFn, LoopContext, 
 from stages.agent.trajectory import Trajectory
 from stages.model.loading import tool_turn_ids, user_turn_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
-from stages.tools.calls import call_tool
-from stages.tools.parsers import parse_tool_calls, tool_messages
+from stages.tools.base import ToolCall
+from stages.tools.calls import ToolCallResult, call_tool
+from stages.tools.parsers import in_call_order, parse_tool_calls, tool_messages
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +256,7 @@ class ToolAgentLoop(AgentLoop):
             state.add(out.response_ids, out.logprobs, out.extra.get("versions"))
             num_assistant += 1
             text = ctx.decode(out.response_ids)
-            content, calls, errors = parse_tool_calls(text, opts.format)
+            _, calls, errors = parse_tool_calls(text, opts.format)
             state.texts.append(text)
             state.turns.append({"role": "assistant", "text": text, "tokens": len(out.response_ids)})
             state.messages.append({"role": "assistant", "content": text})
@@ -303,32 +305,45 @@ class ToolAgentLoop(AgentLoop):
         turn["tokens"] = min(len(ids), budget - len(state.response_ids))
         return ids
 
-    async def _call_tools(self, ctx: LoopContext, state: _State, calls: list, errors: list[str],
+    async def _call_tools(self, ctx: LoopContext, state: _State, calls: list[ToolCall], errors: list[str],
                           instances: dict[str, str]) -> list[str]:
-        """Run this turn's calls concurrently; -> the answer texts: the calls' in order, then one per malformed
-        call and one per call beyond max_parallel_calls."""
+        """Run this turn's first `max_parallel_calls` calls concurrently; -> one answer text per call, in the order
+        the model wrote them: the tool's answer, the parse error of a malformed call, or a refusal for a call
+        beyond max_parallel_calls."""
         opts = ctx.options
         start = time.perf_counter()
-        results = await asyncio.gather(*(call_tool(ctx.tools, instances, c, opts.tool_timeout_s)
-                                         for c in calls[: opts.max_parallel_calls]))
-        answers = []
-        for result in results:
-            name = result.call.name if result.known_tool else "unknown"
-            text = truncate_text(result.response.text, opts.max_tool_response_length,
-                                 opts.tool_response_truncate_side)
-            answers.append(text)
-            state.tool_reward += result.response.reward
-            for key, flag in (("calls", 1.0), ("errors", float(result.error)), ("timeouts", float(result.timeout))):
-                state.count(f"tool/{key}", flag)
-                state.count(f"tool/{name}/{key}", flag)
-            state.turns.append({"role": "tool", "tool_name": result.call.name, "arguments": result.call.arguments,
-                                "text": text, "error": result.error, "timeout": result.timeout,
-                                "latency_s": result.response.metrics.get("latency_s", time.perf_counter() - start)})
-        refused = [f"error: {e}" for e in errors] + [
-            f"error: at most {opts.max_parallel_calls} tool calls per turn; {c.name!r} was not run"
-            for c in calls[opts.max_parallel_calls:]]
+        results = iter(await asyncio.gather(*(call_tool(ctx.tools, instances, c, opts.tool_timeout_s)
+                                              for c in calls[: opts.max_parallel_calls])))
         state.count("tool/parse_errors", len(errors))
-        for text in refused:
-            state.turns.append({"role": "tool", "tool_name": None, "arguments": None, "text": text, "error": True,
-                                "timeout": False, "latency_s": 0.0})
-        return answers + refused
+        answers, num_run = [], 0
+        for item in in_call_order(calls, errors):
+            if isinstance(item, str):  # a malformed call's parse error
+                answers.append(self._record_refusal(state, f"error: {item}"))
+            elif num_run < opts.max_parallel_calls:
+                num_run += 1
+                answers.append(self._record_answer(ctx, state, next(results), start))
+            else:
+                answers.append(self._record_refusal(
+                    state, f"error: at most {opts.max_parallel_calls} tool calls per turn; {item.name!r} was not run"))
+        return answers
+
+    def _record_answer(self, ctx: LoopContext, state: _State, result: ToolCallResult, start: float) -> str:
+        """Count one executed call and record its turn; -> its answer text, cut to max_tool_response_length."""
+        opts = ctx.options
+        name = result.call.name if result.known_tool else "unknown"
+        text = truncate_text(result.response.text, opts.max_tool_response_length, opts.tool_response_truncate_side)
+        state.tool_reward += result.response.reward
+        for key, flag in (("calls", 1.0), ("errors", float(result.error)), ("timeouts", float(result.timeout))):
+            state.count(f"tool/{key}", flag)
+            state.count(f"tool/{name}/{key}", flag)
+        state.turns.append({"role": "tool", "tool_name": result.call.name, "arguments": result.call.arguments,
+                            "text": text, "error": result.error, "timeout": result.timeout,
+                            "latency_s": result.response.metrics.get("latency_s", time.perf_counter() - start)})
+        return text
+
+    @staticmethod
+    def _record_refusal(state: _State, text: str) -> str:
+        """Record the turn of a call that did not run (malformed, or beyond max_parallel_calls); -> `text`."""
+        state.turns.append({"role": "tool", "tool_name": None, "arguments": None, "text": text, "error": True,
+                            "timeout": False, "latency_s": 0.0})
+        return text

@@ -8,6 +8,7 @@ This package is the library the agent loop calls; it holds no loop itself.
     calls       run_tool_call / call_tool: execute a parsed call so that bad arguments, unknown tools,
                 raising or hanging tools become error texts; ToolMetrics (tool/calls, tool/errors, ...).
     parsers     TOOL_PARSERS (`hermes`: <tool_call>{...}</tool_call>): text -> (content, calls, errors);
+                in_call_order(calls, errors) for one answer per call in the model's order;
                 tool_messages / assistant_message for the chat template.
     functions   function_tool(fn): a typed, documented Python function as a tool.
     registry    load_tools(yaml path | list): tools by name from verl's tools YAML.

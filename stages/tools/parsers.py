@@ -16,6 +16,10 @@ Deviations from verl's parser: `arguments` given as a JSON string holding an obj
 emit OpenAI's wire format), a missing `arguments` means `{}`, and an unclosed `<tool_call>` at the end (a
 response cut at the length limit) is an error rather than silently ignored text.
 
+Each error of a built-in parser is a `ParseError`: a str that also knows its position among the message's
+calls, so that `in_call_order(calls, errors)` gives the loop the calls and errors in the order the model wrote
+them, and the model gets one answer per call in that order (as verl's and OpenAI's tool messages are).
+
 `tool_messages` and `assistant_message` build the chat messages the loop appends before the next turn.
 
 The registry is a dict with the same checks as `stages.core.registry.Registry` (duplicate keys, unknown key
@@ -57,6 +61,31 @@ def get_parser(key: str) -> Parser:
     return TOOL_PARSERS[key]
 
 
+class ParseError(str):
+    """The error text of one malformed call, with `position`: its place among the message's calls (1-based,
+    well-formed and malformed counted alike), the number the text itself gives."""
+
+    position: int | None
+
+    def __new__(cls, text: str, position: int | None = None) -> ParseError:
+        error = super().__new__(cls, text)
+        error.position = position
+        return error
+
+
+def in_call_order(calls: Sequence[ToolCall], errors: Sequence[str]) -> list[ToolCall | str]:
+    """The message's calls and parse errors merged in the order the model wrote them.
+
+    Errors with a `position` (ParseError) go to that place, the calls fill the others in their order; errors
+    without one (a parser that returns plain strings) come after the calls.
+    """
+    ordered: list[ToolCall | str] = list(calls)
+    placed = sorted((e for e in errors if getattr(e, "position", None) is not None), key=lambda e: e.position)
+    for error in placed:  # ascending, so each insert lands at its final index
+        ordered.insert(error.position - 1, error)
+    return ordered + [e for e in errors if getattr(e, "position", None) is None]
+
+
 def parse_tool_calls(text: str, format: str = "hermes") -> ParseResult:
     """Split an assistant message into its text content, its tool calls and the errors of malformed calls."""
     return get_parser(format)(text)
@@ -73,18 +102,22 @@ def parse_hermes(text: str) -> ParseResult:
     (1-based) so that the model can tell which of several calls was wrong.
     """
     calls: list[ToolCall] = []
-    errors: list[str] = []
+    errors: list[ParseError] = []
     pieces: list[str] = []
     position = 0
     for index, match in enumerate(_HERMES_BLOCK.finditer(text), start=1):
         pieces.append(text[position : match.start()])
         position = match.end()
         call_or_error = _hermes_call(match.group(1), index)
-        (calls if isinstance(call_or_error, ToolCall) else errors).append(call_or_error)
+        if isinstance(call_or_error, ToolCall):
+            calls.append(call_or_error)
+        else:
+            errors.append(ParseError(call_or_error, index))
     rest = text[position:]
     if "<tool_call>" in rest:
         start = rest.index("<tool_call>")
-        errors.append(f"tool call {len(calls) + len(errors) + 1}: <tool_call> is not closed by </tool_call>")
+        number = len(calls) + len(errors) + 1
+        errors.append(ParseError(f"tool call {number}: <tool_call> is not closed by </tool_call>", number))
         rest = rest[:start]
     pieces.append(rest)
     return "".join(pieces).strip(), calls, errors

@@ -250,3 +250,24 @@ def test_tools_kwargs_read_back_from_parquet_give_each_tool_its_own_kwargs(tmp_p
                                                             {"ground_truth": "5"}, {}, {}]
     assert [_create_kwargs(r, "search") for r in read] == [{}, {}, {}, {"index": "wiki"}]
     assert _create_kwargs({}, "checker") == {}
+
+
+def test_answers_come_back_in_call_order(tokenizer):
+    """One turn of four calls: good, malformed, good, one past max_parallel_calls=2. The model reads one answer per
+    call in the order it wrote them (verl/OpenAI tool messages), so "tool call 2" is the second answer."""
+    malformed = '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>'
+    turn = CALL % "1+1" + malformed + CALL % "2+3" + CALL % "4*4"
+    [t], _, _ = run(tokenizer, {0: [turn, "done"]}, max_parallel_calls=2, max_tokens=600)
+    answers = [record["text"] for record in t.turns if record["role"] == "tool"]
+    assert len(answers) == 4
+    assert answers[0] == "2"  # 1+1
+    assert answers[1].startswith("error: tool call 2: invalid JSON")
+    assert answers[2] == "5"  # 2+3
+    assert answers[3] == "error: at most 2 tool calls per turn; 'calculator' was not run"
+    assert t.metrics["tool/calls"] == 2 and t.metrics["tool/parse_errors"] == 1
+    # the tokens the model reads next hold the same four answers in the same order
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    first_turn = ids(turn) + [tokenizer.eos_token_id]
+    tool_ids = tool_turn_ids(tokenizer, [{"role": "tool", "content": text} for text in answers])
+    assert t.response_ids[len(first_turn): len(first_turn) + len(tool_ids)] == tool_ids
+

@@ -10,6 +10,7 @@ from stages.tools.parsers import (
     TOOL_PARSERS,
     assistant_message,
     get_parser,
+    in_call_order,
     parse_tool_calls,
     register_parser,
     tool_messages,
@@ -80,6 +81,19 @@ def test_unclosed_call_at_the_end():
     assert calls == [ToolCall("a", {})]
     assert errors == ["tool call 2: <tool_call> is not closed by </tool_call>"]
     assert content == "Done  and"
+
+
+def test_errors_keep_their_place_among_the_calls():
+    """Blocks: bad JSON, call a, no name, call b, unclosed: in_call_order gives them back in that order."""
+    text = ('<tool_call>{oops</tool_call><tool_call>{"name": "a"}</tool_call><tool_call>{}</tool_call>'
+            '<tool_call>{"name": "b"}</tool_call><tool_call>{"name": "c"')
+    _, calls, errors = parse_tool_calls(text)
+    assert [error.position for error in errors] == [1, 3, 5]
+    ordered = in_call_order(calls, errors)
+    assert [item.name if isinstance(item, ToolCall) else item[:11] for item in ordered] == [
+        "tool call 1", "a", "tool call 3", "b", "tool call 5"]
+    # a parser that gives plain strings (no position): its errors come after the calls
+    assert in_call_order([ToolCall("a")], ["bad", "worse"]) == [ToolCall("a"), "bad", "worse"]
 
 
 def test_long_malformed_call_is_shortened():
