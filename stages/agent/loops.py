@@ -46,6 +46,13 @@ class LoopContext:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_for_parsing(self, ids: list[int]) -> str:
+        """`ids` decoded with special tokens kept, for tool-call parsing: a tokenizer may make the call markers
+        (`<tool_call>`) special tokens, which `decode` drops. The tokens that end or pad a turn (eos, pad,
+        `params.stop_token_ids`) are left out first: they are no part of what the model wrote."""
+        ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, *self.params.stop_token_ids}
+        return self.tokenizer.decode([i for i in ids if i not in ends], skip_special_tokens=False)
+
     def decode_all(self, sequences: list[list[int]]) -> list[str]:
         """`decode` of each sequence; a fast tokenizer decodes them in one call on all the host's cores (the
         driver's largest serial cost after generation: 0.1-0.17 s for 1,024 responses of ~300 tokens on one core).

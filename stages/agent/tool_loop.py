@@ -14,6 +14,11 @@ arguments, raising or hanging tools become error texts the model reads (stages/t
 wrote the calls (as verl's and OpenAI's tool messages are), whether the answer is the tool's, a parse error or a
 refusal. Tool answers are cut to `max_tool_response_length` characters on `tool_response_truncate_side`.
 
+Calls are parsed from the turn decoded with special tokens kept (a tokenizer may make `<tool_call>` a special
+token; verl's tool parsers decode the same way) but without the tokens that end or pad a turn
+(`LoopContext.decode_for_parsing`). The text the loop stores (the reward's `Trajectory.text`, the turn records,
+the interaction's messages) is the decode without special tokens, as single_turn's and verl's reward text is.
+
 Concurrency: all trajectories of a batch run as coroutines. Their generation requests go through
 `BatchedEngine`, which sends whatever is pending as one batched engine call in a worker thread, so a sample
 waiting for its tool overlaps the others' generation; before a call it lingers a little for trajectories that
@@ -256,7 +261,7 @@ class ToolAgentLoop(AgentLoop):
             state.add(out.response_ids, out.logprobs, out.extra.get("versions"))
             num_assistant += 1
             text = ctx.decode(out.response_ids)
-            _, calls, errors = parse_tool_calls(text, opts.format)
+            _, calls, errors = parse_tool_calls(ctx.decode_for_parsing(out.response_ids), opts.format)
             state.texts.append(text)
             state.turns.append({"role": "assistant", "text": text, "tokens": len(out.response_ids)})
             state.messages.append({"role": "assistant", "content": text})

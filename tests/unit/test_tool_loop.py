@@ -271,3 +271,21 @@ def test_answers_come_back_in_call_order(tokenizer):
     tool_ids = tool_turn_ids(tokenizer, [{"role": "tool", "content": text} for text in answers])
     assert t.response_ids[len(first_turn): len(first_turn) + len(tool_ids)] == tool_ids
 
+
+def test_calls_marked_by_special_tokens_parse(tiny_model_dir):
+    """A tokenizer whose <tool_call> and </tool_call> are special tokens (the markers are single ids): the call is
+    parsed from the ids as generated. The stored text (what the reward scores) stays the special-token-free decode,
+    as in single_turn, and the end-of-turn token shows up in neither."""
+    special = load_tokenizer(tiny_model_dir)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    marker_ids = special.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    assert all(i in special(CALL % "12*7", add_special_tokens=False)["input_ids"] for i in marker_ids)
+    [t], _, _ = run(special, {0: [CALL % "12*7", "#### 84"]})
+    assert [record["role"] for record in t.turns] == ["assistant", "tool", "assistant"]
+    assert t.turns[1]["text"] == "84" and t.metrics["tool/calls"] == 1 and t.finish_reason == "stop"
+    call_json = '{"name": "calculator", "arguments": {"expression": "12*7"}}'
+    assert t.text == call_json + "\n#### 84"  # markers skipped, no <|im_end|>
+    ctx = LoopContext(None, special, SamplingParams())
+    turn_ids = special(CALL % "12*7", add_special_tokens=False)["input_ids"]
+    assert ctx.decode_for_parsing(turn_ids + [special.eos_token_id, special.pad_token_id]) == CALL % "12*7"
+
