@@ -19,6 +19,9 @@ token; verl's tool parsers decode the same way) but without the tokens that end 
 (`LoopContext.decode_for_parsing`). The text the loop stores (the reward's `Trajectory.text`, the turn records,
 the interaction's messages) is the decode without special tokens, as single_turn's and verl's reward text is.
 
+A trajectory creates an instance of every tool before its first turn; when a `create` raises, the instances
+already created are released before the error propagates.
+
 Concurrency: all trajectories of a batch run as coroutines. Their generation requests go through
 `BatchedEngine`, which sends whatever is pending as one batched engine call in a worker thread, so a sample
 waiting for its tool overlaps the others' generation; before a call it lingers a little for trajectories that
@@ -42,6 +45,7 @@ turn in `extra_info["turns"]` (user turns with their `score`). The tools' step r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -141,6 +145,18 @@ def _create_kwargs(tools_kwargs: dict, name: str) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+async def _create_instances(tools: dict, tools_kwargs: dict) -> dict[str, str]:
+    """Each tool's instance id for one trajectory. When a `create` raises, the instances created before it are
+    released (each, even if another's release raises) and the error propagates: nobody else knows their ids."""
+    instances: dict[str, str] = {}
+    async with contextlib.AsyncExitStack() as created:
+        for name, tool in tools.items():
+            instances[name] = await tool.create(**_create_kwargs(tools_kwargs, name))
+            created.push_async_callback(tool.release, instances[name])
+        created.pop_all()  # all created: the trajectory releases them when it ends
+    return instances
+
+
 def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:
     """A sample generated with a larger budget than its own, cut to it: the same as stopping there."""
     if len(out.response_ids) <= max_tokens:
@@ -236,7 +252,7 @@ class ToolAgentLoop(AgentLoop):
         state = _State([], [], [], [], [], {"tool/calls": 0.0}, list(sample.messages))
         session = InteractionSession(*pick, opts.interaction_timeout_s, state.metrics, self._warned) if pick else None
         kwargs = (sample.extra_info or {}).get("tools_kwargs") or {}
-        instances = {name: await tool.create(**_create_kwargs(kwargs, name)) for name, tool in ctx.tools.items()}
+        instances = await _create_instances(ctx.tools, kwargs)
         try:
             if session:
                 await session.start()

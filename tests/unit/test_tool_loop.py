@@ -289,3 +289,25 @@ def test_calls_marked_by_special_tokens_parse(tiny_model_dir):
     turn_ids = special(CALL % "12*7", add_special_tokens=False)["input_ids"]
     assert ctx.decode_for_parsing(turn_ids + [special.eos_token_id, special.pad_token_id]) == CALL % "12*7"
 
+
+class Counted(BaseTool):
+    """Keeps its instances in `self.instances` (BaseTool's create/release); `fail_create` makes create raise."""
+
+    def __init__(self, name: str, fail_create: bool = False):
+        super().__init__(tool_schema={"function": {"name": name}})
+        self.fail_create = fail_create
+
+    async def create(self, instance_id=None, **create_kwargs):
+        if self.fail_create:
+            raise RuntimeError(f"{self.name}: no session")
+        return await super().create(instance_id, **create_kwargs)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse("ok")
+
+
+def test_a_failing_create_releases_the_instances_created_before_it(tokenizer):
+    first, second = Counted("first"), Counted("second")
+    with pytest.raises(RuntimeError, match="third: no session"):
+        run(tokenizer, {0: ["done"]}, tools={"first": first, "second": second, "third": Counted("third", True)})
+    assert first.instances == {} and second.instances == {}
