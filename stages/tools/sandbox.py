@@ -1,6 +1,7 @@
 """`PythonTool` (`python`, argument `code`): run model-written Python in a fresh, limited process per call.
 
-One call = one process, started with asyncio (calls run concurrently, at most `max_concurrent` at once):
+One call = one process, started with asyncio (calls run concurrently, at most `max_concurrent` at once: every
+run takes a `slot()`, unless the code awaiting it holds one already, as `run_tool_call` does around `execute`):
 
     [unshare -rn] python -I -S -B -u -c <sandbox_prelude.py> <settings>     cwd: a fresh temp dir, removed after
 
@@ -37,6 +38,7 @@ The tool's text is the output, then one line per abnormal end: `[timeout: killed
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -65,6 +67,10 @@ CHUNK_BYTES = 65536
 KILL_WAIT_S = 5.0  # after SIGKILL a process is gone at once unless stuck in the kernel
 DISK_POLL_S = 0.1
 _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n?```\s*$", re.DOTALL)
+# the slot semaphores the running code holds: a context variable, so a task started under `async with slot()`
+# (asyncio.wait_for's, gather's) holds it too, and other tasks do not
+_HELD_SLOTS: contextvars.ContextVar[tuple[asyncio.Semaphore, ...]] = contextvars.ContextVar("sandbox_slots",
+                                                                                              default=())
 
 
 class SandboxConfig(BaseModel):
@@ -187,12 +193,22 @@ class Sandbox:
             (resource.RLIMIT_CORE, 0, 0),
         )
 
-    def slot(self) -> asyncio.Semaphore:
-        """One of `max_concurrent` places to run a program (per event loop)."""
+    def _semaphore(self) -> asyncio.Semaphore:
         return self._semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.config.max_concurrent))
 
+    def slot(self) -> Slot:
+        """One of `max_concurrent` places to run a program (per event loop), for `async with`."""
+        return Slot(self._semaphore())
+
+    def holds_slot(self) -> bool:
+        """Whether the running code is inside `async with slot()` of this sandbox (in this event loop)."""
+        return self._semaphore() in _HELD_SLOTS.get()
+
     async def run(self, code: str) -> SandboxResult:
-        """Run `code` in a fresh process and work dir; waits for a slot when `max_concurrent` are running."""
+        """Run `code` in a fresh process and work dir; waits for a slot when `max_concurrent` are running, unless
+        the caller holds one (a second wait would deadlock with one slot)."""
+        if self.holds_slot():
+            return await self.run_in_slot(code)
         async with self.slot():
             return await self.run_in_slot(code)
 
@@ -264,6 +280,24 @@ class Sandbox:
         if reader in done:
             return output, reader.result(), False, False
         return output, False, not done, bool(done)
+
+
+class Slot:
+    """`async with`: wait for the semaphore, and mark it held for the code inside (`Sandbox.holds_slot`)."""
+
+    def __init__(self, semaphore: asyncio.Semaphore):
+        self._semaphore = semaphore
+        self._token: contextvars.Token | None = None
+
+    async def __aenter__(self) -> Slot:
+        await self._semaphore.acquire()
+        self._token = _HELD_SLOTS.set((*_HELD_SLOTS.get(), self._semaphore))
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._token is not None, "Slot exited without being entered"
+        _HELD_SLOTS.reset(self._token)
+        self._semaphore.release()
 
 
 def _tree_bytes(root: Path) -> int:
@@ -343,12 +377,13 @@ class PythonTool(BaseTool):
         self.sandbox = Sandbox(SandboxConfig.model_validate(self.config))
         self.own_timeout_s = self.sandbox.config.timeout_s + KILL_WAIT_S
 
-    def slot(self) -> asyncio.Semaphore:
+    def slot(self) -> Slot:
         return self.sandbox.slot()
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> ToolResponse:
-        """Runs the code; the caller (tools.calls.run_tool_call) holds a `slot()`."""
-        result = await self.sandbox.run_in_slot(strip_code_fence(str(parameters.get("code", ""))))
+        """Runs the code in a `slot()`: the one its caller holds (tools.calls.run_tool_call takes it before the
+        call's timeout starts), else one it waits for, so that direct callers keep to `max_concurrent` too."""
+        result = await self.sandbox.run(strip_code_fence(str(parameters.get("code", ""))))
         metrics = {
             "sandbox/timeout": float(result.timed_out),
             "sandbox/truncated": float(result.truncated),

@@ -246,6 +246,30 @@ def test_max_concurrent_queues():
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(2))
 
 
+def test_direct_execute_takes_a_slot():
+    """`execute` called directly (not through run_tool_call) keeps to max_concurrent=1: the runs are serial."""
+    tool = PythonTool({**FAST, "max_concurrent": 1})
+    code = "import time\nstart = time.time()\ntime.sleep(0.3)\nprint(start, time.time())"
+
+    async def two():
+        return await asyncio.gather(*[tool.execute("i", {"code": code}) for _ in range(2)])
+
+    spans = sorted(tuple(map(float, response.text.split())) for response in asyncio.run(two()))
+    assert spans[0][1] <= spans[1][0], spans  # overlapping 0.3 s sleeps would start within ms of each other
+
+
+def test_run_tool_call_with_one_slot_does_not_take_it_twice():
+    """run_tool_call holds the slot while execute runs; execute must not wait for it again (a deadlock with one
+    slot, which the call's timeout would end with an error text after timeout_s + KILL_WAIT_S)."""
+    tool = PythonTool({**FAST, "timeout_s": 1, "max_concurrent": 1})
+    call = ToolCall("python", {"code": "print(6*7)"})
+
+    async def twice():
+        return await asyncio.gather(*[run_tool_call(tool, "i", call, timeout_s=1) for _ in range(2)])
+
+    assert [(r.text, r.metrics["error"]) for r in asyncio.run(twice())] == [("42\n", 0.0)] * 2
+
+
 def test_python_tool_through_run_tool_call():
     tool = PythonTool({"timeout_s": 0.5})
     assert tool.name == "python" and tool.sandbox.config.timeout_s == 0.5
