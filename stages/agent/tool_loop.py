@@ -157,6 +157,17 @@ async def _create_instances(tools: dict, tools_kwargs: dict) -> dict[str, str]:
     return instances
 
 
+async def _finish(tools: dict, instances: dict[str, str], session: InteractionSession | None) -> float:
+    """The trajectory's summed tool rewards; then every instance is released and the session finalised, each even if
+    a reward, a release or the finalising raises (the first error propagates)."""
+    async with contextlib.AsyncExitStack() as ending:
+        if session:
+            ending.push_async_callback(session.finalize)
+        for name, tool in tools.items():
+            ending.push_async_callback(tool.release, instances[name])
+        return sum([await tool.calc_reward(instances[name]) for name, tool in tools.items()], 0.0)
+
+
 def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:
     """A sample generated with a larger budget than its own, cut to it: the same as stopping there."""
     if len(out.response_ids) <= max_tokens:
@@ -258,11 +269,7 @@ class ToolAgentLoop(AgentLoop):
                 await session.start()
             await self._turns(ctx, engine, sample, state, instances, budget, session)
         finally:
-            for name, tool in ctx.tools.items():
-                state.tool_reward += await tool.calc_reward(instances[name])
-                await tool.release(instances[name])
-            if session:
-                await session.finalize()
+            state.tool_reward += await _finish(ctx.tools, instances, session)
         return Trajectory(sample.prompt_index, state.response_ids, state.mask, state.logprobs, state.finish_reason,
                           "\n".join(state.texts), self.name, state.turns,
                           opts.tool_reward_weight * state.tool_reward, state.metrics,

@@ -293,14 +293,19 @@ def test_calls_marked_by_special_tokens_parse(tiny_model_dir):
 class Counted(BaseTool):
     """Keeps its instances in `self.instances` (BaseTool's create/release); `fail_create` makes create raise."""
 
-    def __init__(self, name: str, fail_create: bool = False):
+    def __init__(self, name: str, fail_create: bool = False, fail_reward: bool = False):
         super().__init__(tool_schema={"function": {"name": name}})
-        self.fail_create = fail_create
+        self.fail_create, self.fail_reward = fail_create, fail_reward
 
     async def create(self, instance_id=None, **create_kwargs):
         if self.fail_create:
             raise RuntimeError(f"{self.name}: no session")
         return await super().create(instance_id, **create_kwargs)
+
+    async def calc_reward(self, instance_id, **kwargs):
+        if self.fail_reward:
+            raise RuntimeError(f"{self.name}: reward failed")
+        return await super().calc_reward(instance_id, **kwargs)
 
     async def execute(self, instance_id, parameters, **kwargs):
         return ToolResponse("ok")
@@ -311,3 +316,11 @@ def test_a_failing_create_releases_the_instances_created_before_it(tokenizer):
     with pytest.raises(RuntimeError, match="third: no session"):
         run(tokenizer, {0: ["done"]}, tools={"first": first, "second": second, "third": Counted("third", True)})
     assert first.instances == {} and second.instances == {}
+
+
+def test_a_failing_reward_still_releases_every_instance(tokenizer):
+    """The trajectory's end released each tool right after its reward, so one raising left the rest held."""
+    tools = {"first": Counted("first", fail_reward=True), "second": Counted("second")}
+    with pytest.raises(RuntimeError, match="first: reward failed"):
+        run(tokenizer, {0: ["done"]}, tools=tools)
+    assert tools["first"].instances == {} and tools["second"].instances == {}
