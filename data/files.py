@@ -365,22 +365,47 @@ def verl_example(row: dict, index: int, columns: ColumnMapping, default_data_sou
 
 def load_files(cfg: DataConfig, seed: int) -> Splits:
     """source=file: the file or folder at `data.path`, mapped by `data.columns` or in verl's schema."""
+    path = Path(cfg.path).expanduser() if cfg.path else None
+    layout = verl_example if check_columns(cfg) else mapped_example
+    logger.info("reading %s as %s rows", cfg.path, "verl-schema" if layout is verl_example else "mapped")
+
+    def convert(row: dict, index: int) -> Example:
+        return layout(row, index, cfg.columns, cfg.data_source)
+
+    return load_local(path, convert, cfg, seed)
+
+
+def check_columns(cfg: DataConfig) -> bool:
+    """source=file: whether `data.path` holds verl-schema rows (else mapped ones); a ValueError naming the field and
+    the fix when it is missing or its columns fit neither layout. Reads the files' columns only (the command line
+    checks this before the flow starts)."""
     if cfg.path is None:
         raise ValueError("data.source=file needs data.path: a local .parquet/.jsonl file or a folder of them")
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise ValueError(f"data.path={cfg.path!r} does not exist; point it at a local .parquet/.jsonl or a folder")
     names = column_names(data_files(path))
-    is_verl = all(c in names for c in VERL_COLUMNS)
-    if not is_verl:
-        _check_mapping(cfg.columns, names, cfg.path)
-    layout = verl_example if is_verl else mapped_example
-    logger.info("reading %s as %s rows", cfg.path, "verl-schema" if is_verl else "mapped")
+    if all(c in names for c in VERL_COLUMNS):
+        return True
+    problem = verl_layout_problem(names, cfg.path, cfg.columns)
+    if problem:
+        raise ValueError(problem)
+    _check_mapping(cfg.columns, names, cfg.path)
+    return False
 
-    def convert(row: dict, index: int) -> Example:
-        return layout(row, index, cfg.columns, cfg.data_source)
 
-    return load_local(path, convert, cfg, seed)
+def verl_layout_problem(names: set[str], where: str, columns: ColumnMapping) -> str | None:
+    """Why rows with verl's `prompt` column but no `reward_model` cannot be read, or None (they are not such rows,
+    or `data.columns` maps them). verl's RL rows carry their ground truth in `reward_model` ({'ground_truth': ...}),
+    which the reward functions read; without it the rows read as mapped ones, whose default columns they lack."""
+    mapped = all(c in names for c in columns.model_dump().values() if c is not None)
+    if "prompt" not in names or "reward_model" in names or mapped:
+        return None
+    return (f"{where}: a 'prompt' column (verl's) but no 'reward_model' column (columns: {sorted(names)}); verl's "
+            "RL rows give their ground truth as reward_model = {'ground_truth': ...}, as verl's "
+            "examples/data_preprocess scripts write it. Add that column, or map your columns (overrides of this "
+            "project, before any --verl): data.columns.question=prompt data.columns.answer=<the column that holds "
+            "the answer>")
 
 
 def _check_mapping(columns: ColumnMapping, names: set[str], path: str) -> None:

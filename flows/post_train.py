@@ -180,7 +180,9 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
 
 def preflight(cfg: Config) -> None:
     """What the config names outside itself, checked before anything runs or is written: the store can be
-    written, local files and folders exist, the reward function loads. Raises ConfigError naming the field."""
+    written, local files and folders exist, local data has the columns of a layout data prep reads, the cluster has
+    the devices asked for, the reward function loads. Raises ConfigError naming the field."""
+    from data.files import check_columns
     from infra.store import StoreError
     from stages.rewards.custom import load_reward_fn
 
@@ -193,6 +195,11 @@ def preflight(cfg: Config) -> None:
                                                                          else None)):
         if path and path.startswith(local) and not Path(path).expanduser().exists():
             raise ConfigError(f"{field}={path}: no such file or folder")
+    if cfg.data.source == "file":
+        try:
+            check_columns(cfg.data)  # a layout that data prep would refuse, named now
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     _check_local_cluster(cfg)
     reward = cfg.rl.reward
     if cfg.rl.enabled and reward.custom_path:

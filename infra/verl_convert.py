@@ -11,7 +11,6 @@ batch sizes are prompts (`data.train_batch_size`, `ppo_mini_batch_size`, as ours
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,21 +309,53 @@ def global_micro_batch(value: Any, given: Given) -> Overrides:
 
 def files_folder(value: Any, given: Given) -> Overrides:
     """One folder that holds the train and val files and nothing else, split by file names as data prep does."""
-    from data.files import data_files, split_files  # the rules data prep reads files by (data/files.py)
-
     train = _paths(given.get("data.train_files", None))
     val = _paths(given.get("data.val_files", None))
     if not train:
         raise ValueError("give data.train_files (a parquet file, or a list of them)")
-    for path in train + val:
-        if not path.is_file() or path.suffix not in (".parquet", ".jsonl"):
-            raise ValueError(f"{path} is not a .parquet or .jsonl file")
-    if not val and len(train) == 1:
-        return {"data.source": "file", "data.path": str(train[0])}
+    _check_files(train)
     try:
-        folder = Path(os.path.commonpath([str(p.parent) for p in train + val]))
+        _check_files(val)
     except ValueError:
-        raise ValueError("give all paths absolute, or all relative") from None
+        return {}  # reported under data.val_files
+    if not val and len(train) == 1:
+        return _with_columns({"data.source": "file", "data.path": str(train[0])}, train, given)
+    return _with_columns(_one_folder(train, val), train + val, given)
+
+
+def val_files(value: Any, given: Given) -> Overrides:
+    if not given.is_given("data.train_files"):
+        raise ValueError("give data.train_files too: the two are read from one folder")
+    _check_files(_paths(value))
+    try:
+        return files_folder(value, given)
+    except ValueError:
+        return {}  # reported once, under data.train_files
+
+
+def _check_files(paths: list[Path]) -> None:
+    """Each path is a .parquet or .jsonl file that exists."""
+    for path in paths:
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        if not path.exists():
+            raise ValueError(f"{path} does not exist{where}; give the path of a .parquet or .jsonl file")
+        if not path.is_file():
+            raise ValueError(f"{path} is a folder; give the .parquet or .jsonl files in it")
+        if path.suffix not in (".parquet", ".jsonl"):
+            raise ValueError(f"{path} is a {path.suffix or 'suffix-less'} file; give .parquet or .jsonl files")
+
+
+def _one_folder(train: list[Path], val: list[Path]) -> Overrides:
+    """data.path = the folder of the train and val files, which must hold them and nothing else, the validation files
+    being the ones whose names say so (data/files.py `split_files`)."""
+    from data.files import data_files, split_files  # the rules data prep reads files by (data/files.py)
+
+    folders = sorted({str(p.resolve().parent) for p in train + val})
+    if len(folders) > 1:
+        raise ValueError(f"the train and val files are in {len(folders)} folders ({', '.join(folders)}); here data "
+                         "prep reads one folder (data.path), so put the train and val files together in a folder of "
+                         "their own and give their paths there")
+    folder = Path(folders[0])
     found = sorted(p.resolve() for p in data_files(folder))
     others = [p for p in found if p not in {q.resolve() for q in train + val}]
     if others:
@@ -339,13 +370,14 @@ def files_folder(value: Any, given: Given) -> Overrides:
     return {"data.source": "file", "data.path": str(folder)}
 
 
-def val_files(value: Any, given: Given) -> Overrides:
-    if not given.is_given("data.train_files"):
-        raise ValueError("give data.train_files too: the two are read from one folder")
-    try:
-        return files_folder(value, given)
-    except ValueError:
-        return {}  # reported once, under data.train_files
+def _with_columns(out: Overrides, files: list[Path], given: Given) -> Overrides:
+    """`out`, once the files have verl's RL columns (data/files.py `verl_layout_problem` says what is missing)."""
+    from data.files import column_names, verl_layout_problem
+
+    problem = verl_layout_problem(column_names(files), ", ".join(map(str, files)), given.base.data.columns)
+    if problem:
+        raise ValueError(problem)
+    return out
 
 
 def _paths(value: Any) -> list[Path]:

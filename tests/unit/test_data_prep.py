@@ -253,6 +253,25 @@ def test_file_mapped_column_absent(tmp_path):
         run_data_prep(DataConfig(source="file", path=str(data)), 0, tmp_path / "out")
 
 
+def test_verl_rows_without_reward_model_name_the_missing_column(tmp_path):
+    """A file with verl's 'prompt' but no 'reward_model' column: data prep and the command line (before the flow)
+    say so and how to fix it, not that the default mapped column 'question' is missing."""
+    from flows.post_train import preflight
+    from infra.config import ConfigError, load_config
+
+    prompt = [{"role": "user", "content": "What is 1 + 1?"}]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt, "answer": "2", "data_source": "mine"}] * 3)
+    message = (rf"{data}: a 'prompt' column \(verl's\) but no 'reward_model' column \(columns: \['answer', "
+               r"'data_source', 'prompt'\]\); verl's RL rows give their ground truth as reward_model = "
+               r"\{'ground_truth': ...\}.*Add that column, or map your columns .*data.columns.question=prompt")
+    with pytest.raises(ValueError, match=message):
+        run_data_prep(DataConfig(source="file", path=str(data)), 0, tmp_path / "out")
+    with pytest.raises(ConfigError, match=message):
+        preflight(load_config(None, [f"storage.root={tmp_path / 'store'}", "data.source=file", f"data.path={data}"]))
+    mapped = DataConfig(source="file", path=str(data), columns=ColumnMapping(question="prompt"))
+    assert run_data_prep(mapped, 0, tmp_path / "out")["num_train"] == 2  # the fix it names works
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad rows
 

@@ -414,6 +414,51 @@ def test_data_files_must_be_one_folder_split_by_names(tmp_path, data):
     assert run([f"data.train_files={data}/train.parquet"]).data.path == f"{data}/train.parquet"
 
 
+def test_data_files_in_two_folders_say_so(tmp_path, data):
+    """Not 'also holds ...' about their common folder: that they are in two folders, and the fix."""
+    for folder, name in (("a", "train"), ("b", "test")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{name}.parquet").write_bytes((data / f"{name}.parquet").read_bytes())
+    (tmp_path / "other.jsonl").write_text("")  # what the common folder also holds
+    with pytest.raises(VerlKeyError) as info:
+        translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet", f"data.val_files={tmp_path}/b/test.parquet"])
+    assert str(info.value).splitlines()[1:] == [
+        f"  data.train_files={tmp_path}/a/train.parquet: the train and val files are in 2 folders ({tmp_path}/a, "
+        f"{tmp_path}/b); here data prep reads one folder (data.path), so put the train and val files together in a "
+        "folder of their own and give their paths there"]
+
+
+def test_a_missing_data_file_is_named_under_its_own_key(tmp_path, data, monkeypatch):
+    """Not '... is not a .parquet or .jsonl file', and a missing val file under data.val_files, not train_files."""
+    with pytest.raises(VerlKeyError) as info:
+        translate(None, [], [f"data.train_files={data}/train.parquet", f"data.val_files={data}/tset.parquet"])
+    assert str(info.value).splitlines()[1:] == [
+        f"  data.val_files={data}/tset.parquet: {data}/tset.parquet does not exist; give the path of a .parquet or "
+        ".jsonl file"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(VerlKeyError, match=r"data.train_files=gsm8k/train.parquet: gsm8k/train.parquet does not exist "
+                                           rf"\(relative to {tmp_path}\); give the path"):
+        translate(None, [], ["data.train_files=gsm8k/train.parquet"])
+    with pytest.raises(VerlKeyError, match=rf"{data} is a folder; give the .parquet or .jsonl files in it"):
+        translate(None, [], [f"data.train_files={data}"])
+
+
+def test_verl_rows_without_reward_model_say_what_is_missing(tmp_path, data):
+    """Not 'data.columns.question='question' is not a column': the reward_model column verl's rows need, and the fix."""
+    import pyarrow.parquet as pq
+
+    for name in ("train", "test"):
+        table = pq.read_table(data / f"{name}.parquet")
+        pq.write_table(table.drop_columns(["reward_model"]), tmp_path / f"{name}.parquet")
+    verl = [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet"]
+    with pytest.raises(VerlKeyError, match=r"a 'prompt' column \(verl's\) but no 'reward_model' column .*"
+                                           r"reward_model = \{'ground_truth': ...\}.* Add that column, or map your "
+                                           r"columns .*data.columns.question=prompt data.columns.answer="):
+        translate(None, [], verl)
+    ours = ["data.columns.question=prompt", "data.columns.answer=data_source"]  # mapped: read as the user's columns
+    assert run(verl, ours=ours).data.path == str(tmp_path)
+
+
 def test_verls_fully_async_recipe_resolves_to_our_fully_async_mode():
     """The asynchronous keys of verl's recipe/fully_async_policy/dapo_7b_math_fsdp2_4_4.sh (its other keys are
     the table's ordinary rows): 4 rollout and 4 trainer GPUs, local updates of one 64-prompt mini-batch, a push every
