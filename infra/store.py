@@ -216,8 +216,11 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
         the prefix), StoreError when the storage cannot be reached."""
         with self._errors("looking for the store"):
             found = self.fs.exists(self._base) if self.is_remote else Path(self._base).is_dir()
+            bucket = self._base.split("/")[0]
+            no_bucket = not found and self.root.startswith("s3://") and not self.fs.exists(bucket)
         if not found:
-            why = "nothing is stored under that prefix" if self.is_remote else "no such folder"
+            why = (f"there is no bucket {bucket!r}" if no_bucket else "nothing is stored under that prefix"
+                   ) if self.is_remote else "no such folder"
             raise FileNotFoundError(f"there is no store at {self._where()}: {why}. Fix: pass --root the store the "
                                     "pipeline wrote to (its storage.root; default outputs/store), "
                                     "`python -m infra.store --root ROOT list` lists what a store holds")

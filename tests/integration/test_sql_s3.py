@@ -117,5 +117,7 @@ def test_cli_on_s3_matches_local(s3_store, expected, monkeypatch):
 def test_cli_on_a_missing_bucket_fails_with_one_error_line(s3_server):
     store = ArtifactStore("s3://no-such-bucket-rlpipe/prefix", endpoint_url=s3_server.endpoint_url)
     done = run_cli(store, "SELECT count(*) FROM rollouts")
-    assert done.returncode == 1, done.stdout
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("error: ")
+    assert done.returncode == 2, done.stdout  # bad input: a root that holds no store
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(
+        f"error: there is no store at storage.root={store.root!r}"), done.stderr
+    assert "there is no bucket 'no-such-bucket-rlpipe'" in done.stderr

@@ -48,6 +48,7 @@ def test_store_cli_on_a_missing_root_exits_2_naming_it(store, capsys, command):
     code, out, err = run(capsys, store_cli, *root_args(nowhere), *command)
     assert (code, out) == (2, "")
     assert f"there is no store at storage.root={nowhere.root!r}" in err and "--root" in err, err
+    assert ("nothing is stored under that prefix" if store.is_remote else "no such folder") in err
     assert not Path(nowhere.root).exists()  # looking did not create it (a local root)
 
 
