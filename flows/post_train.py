@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -178,6 +179,21 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
     return recipe, overrides, verl
 
 
+def check_verl_keys_placed(argv: list[str], overrides: list[str]) -> None:
+    """verl's keys given among ours (before `--verl`, or without it): a ConfigError that says to give them after
+    `--verl`, with the command line that does (the config's own error would call `actor_rollout_ref` an unknown
+    key and list our sections)."""
+    from infra.verl_keys import verl_only
+
+    misplaced = [arg for arg in overrides if verl_only(arg.partition("=")[0])]
+    if not misplaced:
+        return
+    fixed = [a for a in argv if a not in misplaced] + ([] if "--verl" in argv else ["--verl"]) + misplaced
+    raise ConfigError(f"{', '.join(misplaced)}: verl's {'key' if len(misplaced) == 1 else 'keys'}, not this "
+                      "project's; give verl's overrides after --verl, which maps them onto this project's keys (README "
+                      f"'From verl'):\n  {shlex.join([sys.orig_argv[0], '-m', 'flows.post_train', *fixed])}")
+
+
 def preflight(cfg: Config) -> None:
     """What the config names outside itself, checked before anything runs or is written: the store can be
     written, local files and folders exist, local data has the columns of a layout data prep reads, the cluster has
@@ -236,6 +252,7 @@ def _main(argv: list[str]) -> int:
     if "--refresh-cache" in argv:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     try:
+        check_verl_keys_placed(argv, overrides)
         if verl:
             translation = verl_overrides.translate(recipe, overrides, verl)
             print("verl overrides -> this project's (README 'From verl'):\n  " + "\n  ".join(translation.lines),

@@ -317,6 +317,31 @@ def test_one_of_our_keys_after_verl_says_where_it_goes():
         translate(None, [], ["data.train_batch_size=64", "rl.total_steps=2"])
 
 
+def test_a_verl_key_before_verl_says_to_give_it_after(capsys, tmp_path):
+    """The reverse of the test above, on the command line: not 'unknown key actor_rollout_ref; allowed here: data,
+    evaluate, ...', but that it is verl's, and the command line with it after --verl (exit code 2, nothing run)."""
+    import shlex
+    import sys
+
+    from flows.post_train import main
+
+    out = f"run.output_dir={tmp_path / 'out'}"
+    assert main(["recipes/demo.yaml", A + "optim.lr=1e-6", out, "--verbose"]) == 2
+    err = capsys.readouterr().err
+    fixed = shlex.join([sys.orig_argv[0], "-m", "flows.post_train", "recipes/demo.yaml", out, "--verbose", "--verl",
+                        A + "optim.lr=1e-6"])
+    assert err == (f"error: {A}optim.lr=1e-6: verl's key, not this project's; give verl's overrides after --verl, "
+                   f"which maps them onto this project's keys (README 'From verl'):\n  {fixed}\n")
+    # Hydra's +key, a key under a section only verl has, one of verl's keys in a section we share; next to --verl
+    assert main(["+trainer.total_epochs=2", "critic.nope=1", "data.train_files=x.parquet", "data.max_prompt_length=64",
+                 "--verl", R + "n=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: +trainer.total_epochs=2, critic.nope=1, data.train_files=x.parquet: verl's keys")
+    assert err.endswith(" -m flows.post_train data.max_prompt_length=64 --verl actor_rollout_ref.rollout.n=4 "
+                        "+trainer.total_epochs=2 critic.nope=1 data.train_files=x.parquet\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(VerlKeyError) as err:
         translate(None, [], [R + "name=sglang", "trainer.default_local_dir=/ckpt", "data.nope=1",
