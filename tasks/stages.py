@@ -1,24 +1,16 @@
 """Prefect tasks: thin wrappers that run a stage, version its outputs in the store and cache the result.
 
-Each task's cache key is the hash of the config sections the stage reads plus the versions of its input
-artifacts (and the store as resolved: `store_identity`), so changing an unrelated section (say `evaluate`) does not
-re-run SFT, plus the content of every local file the stage reads through a path (data files, a reward function
-file, a local model folder: `content_digest`), so replacing a file behind the same path is a cache miss.
-Tasks return artifact references as strings (`kind/name@version`); results persist as JSON under
-PREFECT_RESULTS_LOCAL_STORAGE_PATH. A cached result that names an artifact the store no longer holds (deleted as
-corrupt, or by hand) is a cache miss (`live_key`). Code changes do not invalidate the cache (every manifest records
-the code version); run with `--refresh-cache` to force a re-run: every stage runs again, SFT and RL from step 0
-(`RefreshedCheckpoints`).
+Each task is cached on the config sections its stage reads, its input artifacts' versions and the content of the
+local files it reads (tasks/cache_keys.py). Tasks return artifact references as strings (`kind/name@version`);
+results persist as JSON under PREFECT_RESULTS_LOCAL_STORAGE_PATH. Run with `--refresh-cache` to force a re-run:
+every stage runs again, SFT and RL from step 0 (`RefreshedCheckpoints`). Prefect retries a stage once only for a
+failure a second attempt can pass (`transient`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import logging
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +21,11 @@ from infra import prefect_env
 prefect_env.configure()
 
 from prefect import get_run_logger, task  # noqa: E402
-from prefect.context import TaskRunContext  # noqa: E402
-from prefect.exceptions import MissingContextError  # noqa: E402
-from prefect.results import ResultStore  # noqa: E402
 from prefect.settings import get_current_settings  # noqa: E402
 
-from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
+from infra.artifacts import ArtifactRef  # noqa: E402
 from infra.checkpoints import StoreCheckpoints  # noqa: E402
-from infra.config import Config, StorageConfig, apply_override, config_hash  # noqa: E402
+from infra.config import Config, apply_override  # noqa: E402
 from infra.console import bars_closed_on_error  # noqa: E402
 from infra.lease import LeaseLost, stage_lease  # noqa: E402
 from infra.orphans import SCRATCH  # noqa: E402
@@ -45,6 +34,17 @@ from infra.tracking import Tracker  # noqa: E402
 from stages.merge import checkpoint_metadata  # noqa: E402
 from stages.model.safe_load import UnsafeCheckpointError  # noqa: E402
 from stages.rewards.pool import RewardFailedError  # noqa: E402
+from tasks.cache_keys import (  # noqa: E402
+    base_model_sections,
+    data_sections,
+    eval_sections,
+    merge_sections,
+    rl_sections,
+    run_logger,
+    sft_sections,
+    stage_hash,
+    stage_key,
+)
 
 
 @dataclass(frozen=True)
@@ -58,144 +58,6 @@ class RunContext:
     def tmp_dir(self) -> Path:
         """The flow's temporary folders go here (infra/orphans.py removes it, after a kill too)."""
         return Path(self.run_dir) / SCRATCH
-
-
-def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
-    """A Prefect cache_key_fn over the stage's config sections and its input artifact refs."""
-
-    def key_fn(context: TaskRunContext | None, params: dict) -> str:
-        cfg: Config = params["cfg"]
-        key = f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
-        return live_key(key, cfg, context.result_store) if context else key  # None: called outside a task run
-
-    return key_fn
-
-
-def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[str]) -> str:
-    return config_hash(*sections(cfg), *map(_input_identity, inputs), *store_identity(cfg.storage))
-
-
-def store_identity(storage: StorageConfig) -> tuple[str, ...]:
-    """`ArtifactStore.identity`: a relative root is relative to the working directory, while PREFECT_HOME and its
-    cached results are not, so the key holds the root as the store resolves it."""
-    return ArtifactStore.from_config(storage).identity
-
-
-def live_key(key: str, cfg: Config, results: ResultStore) -> str:
-    """`key`, unless the result cached under it in `results` (the task run's result store) names an artifact that the
-    store no longer holds (deleted as corrupt, removed by hand): then a key derived from it and from that result,
-    which Prefect has not cached (a miss: the task runs again and caches its result there) or under which it cached
-    the re-run's result. Costs, only where a result is cached, one read of it and one manifest read per artifact ref
-    in it."""
-    base, store = key, None
-    while results.exists(key):
-        try:
-            value = results.read(key).result
-        except Exception:  # noqa: BLE001 - an unreadable record: Prefect's own read of it decides, as before
-            return key
-        store = store or open_store(cfg)
-        missing = [str(ref) for ref in _artifact_refs(value) if not store.exists(ref)]
-        if not missing:
-            return key
-        if key == base:  # once: a later link of the chain names the same artifact when its content is the same
-            _logger().warning("the cached result of %s names %s, which the store at %s no longer holds: running the "
-                              "task again", key, ", ".join(missing), cfg.storage.root)
-        key = f"{base}-{hashlib.sha256(json.dumps([key, value], default=str).encode()).hexdigest()[:16]}"
-    return key
-
-
-def _artifact_refs(value: object) -> list[ArtifactRef]:
-    """The artifact refs in a task's result: the result itself (a ref string), or the string values of a record
-    (evaluate's summary); other strings (a hub id, a local path) are no refs."""
-    refs = []
-    for item in value.values() if isinstance(value, dict) else [value]:
-        if isinstance(item, str):
-            try:
-                refs.append(ArtifactRef.parse(item))
-            except ValueError:
-                continue
-    return refs
-
-
-def _logger() -> logging.Logger | logging.LoggerAdapter:
-    """The task run's logger (its messages reach the run's logs), or this module's outside a run."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger(__name__)
-
-
-def _input_identity(value: str) -> str:
-    """An artifact ref as is (its version is a content hash); a local path as path + content digest, so that
-    replacing the files behind the same path is a new input; anything else (a hub id) as is."""
-    try:
-        ArtifactRef.parse(value)
-        return value
-    except ValueError:
-        return f"{value}#{content_digest(value)}" if value and Path(value).exists() else value
-
-
-def content_digest(path: str | None) -> str | None:
-    """sha256 over a local file's bytes, or over a folder's (relative path, file sha256) pairs; None for None or
-    a path that does not exist here (a hub id, or a dataset name)."""
-    if not path or not Path(path).exists():
-        return None
-    root = Path(path).resolve()
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    digest = hashlib.sha256()
-    for file in files:
-        stat = file.stat()
-        digest.update(f"{file.relative_to(root) if file != root else ''}\0".encode())
-        digest.update(_file_digest(str(file), stat.st_size, stat.st_mtime_ns).encode())
-    return digest.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=4096)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    """A file's sha256, computed once per (path, size, mtime) in this process: cache keys of several stages hash
-    the same model folder."""
-    return file_sha256(Path(path))
-
-
-def _data_sections(cfg: Config) -> tuple:
-    return cfg.data, str(cfg.run.seed), content_digest(cfg.data.path), content_digest(cfg.data.gsm8k_path)
-
-
-def _base_model_sections(cfg: Config) -> tuple:
-    return cfg.model.path, cfg.model.tiny, str(cfg.run.seed), content_digest(cfg.model.path)
-
-
-def _sft_sections(cfg: Config) -> tuple:
-    return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
-
-
-def _tool_digests(cfg: Config) -> tuple:
-    """The content of the tool files of rl.multi_turn: its YAMLs (tools, interactions) and its function tools' files."""
-    mt = cfg.rl.multi_turn
-    return (content_digest(mt.tool_config_path), content_digest(mt.interaction_config_path),
-            *(content_digest(spec.rpartition(":")[0]) for spec in mt.tool_functions if ":" in spec))
-
-
-def _rl_sections(cfg: Config) -> tuple:
-    reward = cfg.rl.reward
-    return (cfg.rl, cfg.model, cfg.data, str(cfg.run.seed), content_digest(reward.custom_path),
-            content_digest(reward.reward_model_path), *_tool_digests(cfg))
-
-
-def _merge_sections(cfg: Config) -> tuple:
-    return cfg.model.lora, cfg.model.trust_remote_code
-
-
-def _eval_sections(cfg: Config) -> tuple:
-    """What evaluation results depend on: the engine as resolved here (auto -> vllm or hf), the prompt
-    and response lengths, dtype, the reward function (its file's content too) and the sampling seed."""
-    from stages.evaluate import resolve_engine
-
-    ev, reward = cfg.evaluate, cfg.rl.reward
-    return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
-            cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
-            reward.custom_path, reward.custom_function, reward.math_scorer, str(reward.timeout_s), str(cfg.run.seed),
-            content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
 
 
 def record_automatic_settings(store: ArtifactStore, ctx: RunContext, decided: dict[str, object]) -> None:
@@ -230,7 +92,7 @@ class RefreshedCheckpoints(StoreCheckpoints):
             return None
         manifest = self.store.manifest(newest)
         if manifest.metadata.get("flow_run") != self.metadata["flow_run"]:
-            _logger().warning(
+            run_logger().warning(
                 "--refresh-cache: %s trains again from step 0 instead of resuming from %s (step %s, saved by flow run "
                 "%s); that run's checkpoints (and, for RL, its trajectory tables) are replaced by this run's",
                 self.name, newest, manifest.metadata.get("step"), manifest.metadata.get("flow_run"))
@@ -272,7 +134,7 @@ def local_model_path(store: ArtifactStore, model: str) -> str:
     return str(store.get_dir(ref))
 
 
-@task(name="data-prep", cache_key_fn=stage_key("data-prep", _data_sections), persist_result=True,
+@task(name="data-prep", cache_key_fn=stage_key("data-prep", data_sections), persist_result=True,
       result_serializer="json", retries=1, retry_condition_fn=transient)
 def data_prep_task(cfg: Config, ctx: RunContext) -> str:
     from stages.data_prep import run_data_prep
@@ -282,7 +144,7 @@ def data_prep_task(cfg: Config, ctx: RunContext) -> str:
     with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         stats = run_data_prep(cfg.data, cfg.run.seed, Path(tmp))
         ref = store.put_dir("dataset", cfg.data.source, Path(tmp),
-                            inputs={"source": _data_origin(cfg)}, config_hash=stage_hash(cfg, _data_sections, []),
+                            inputs={"source": _data_origin(cfg)}, config_hash=stage_hash(cfg, data_sections, []),
                             metadata={"stats": stats})
     log.info("data prep: %s (%d train, %d validation rows)", ref, stats["num_train"], stats["num_validation"])
     return str(ref)
@@ -294,7 +156,7 @@ def _data_origin(cfg: Config) -> str:
     ]
 
 
-@task(name="base-model", cache_key_fn=stage_key("base-model", _base_model_sections, ("dataset",)),
+@task(name="base-model", cache_key_fn=stage_key("base-model", base_model_sections, ("dataset",)),
       persist_result=True, result_serializer="json")
 def base_model_task(cfg: Config, dataset: str, ctx: RunContext) -> str:
     """'tiny': build the model + tokenizer from the dataset's text; otherwise the path/hub id as given."""
@@ -308,12 +170,12 @@ def base_model_task(cfg: Config, dataset: str, ctx: RunContext) -> str:
     with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         build_tiny_model(cfg.model.tiny, corpus_texts(data_dir), cfg.run.seed, tmp)
         ref = store.put_dir("model", f"base-tiny-{cfg.model.tiny.arch}", Path(tmp), inputs={"dataset": dataset},
-                            config_hash=stage_hash(cfg, _base_model_sections, [dataset]))
+                            config_hash=stage_hash(cfg, base_model_sections, [dataset]))
     get_run_logger().info("base model: %s", ref)
     return str(ref)
 
 
-@task(name="sft", cache_key_fn=stage_key("sft", _sft_sections, ("dataset", "base_model")), persist_result=True,
+@task(name="sft", cache_key_fn=stage_key("sft", sft_sections, ("dataset", "base_model")), persist_result=True,
       result_serializer="json", retries=1, retry_condition_fn=transient)
 def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str:
     """SFT from `base_model`; resumes from this configuration's checkpoints. With --refresh-cache it trains again
@@ -321,7 +183,7 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
     from stages.sft import run_sft
 
     store = open_store(cfg)
-    key = stage_hash(cfg, _sft_sections, [dataset, base_model])
+    key = stage_hash(cfg, sft_sections, [dataset, base_model])
     inputs = {"dataset": dataset, "base_model": base_model}
     checkpoints = stage_checkpoints(store, f"sft-{key}", cfg.sft.max_ckpt_to_keep, inputs, cfg, ctx)
     data_dir = store.get_dir(ArtifactRef.parse(dataset))
@@ -340,7 +202,7 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
 
 # The cache key's prefix says what the task returns (a checkpoint since the merge stage exists), so a result
 # cached by an older version of this task (a model ref) is never handed to merge.
-@task(name="rl", cache_key_fn=stage_key("rl-checkpoint", _rl_sections, ("dataset", "init_model")),
+@task(name="rl", cache_key_fn=stage_key("rl-checkpoint", rl_sections, ("dataset", "init_model")),
       persist_result=True, result_serializer="json", retries=1, retry_condition_fn=transient)
 def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     """RL from `init_model` (the SFT model, or the base model when SFT is off); resumes from checkpoints.
@@ -355,7 +217,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     from stages.rl import run_rl
 
     store = open_store(cfg)
-    key = stage_hash(cfg, _rl_sections, [dataset, init_model])
+    key = stage_hash(cfg, rl_sections, [dataset, init_model])
     inputs = {"dataset": dataset, "init_model": init_model}
     run_id = f"rl-{key}"  # stable across retries and resumes: trajectories of one RL run stay in one place
     checkpoints = stage_checkpoints(store, run_id, cfg.rl.max_ckpt_to_keep, inputs, cfg, ctx)
@@ -373,7 +235,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     return str(result.checkpoint)
 
 
-@task(name="merge", cache_key_fn=stage_key("merge", _merge_sections, ("checkpoint", "base_model")),
+@task(name="merge", cache_key_fn=stage_key("merge", merge_sections, ("checkpoint", "base_model")),
       persist_result=True, result_serializer="json", retries=1, retry_condition_fn=transient)
 def merge_task(cfg: Config, checkpoint: str, base_model: str, ctx: RunContext, name: str = "rl") -> str:
     """A checkpoint (+ the model it was trained from) -> a plain HF folder, the versioned artifact model/<name>."""
@@ -387,13 +249,13 @@ def merge_task(cfg: Config, checkpoint: str, base_model: str, ctx: RunContext, n
     with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp:
         result = merge_checkpoint(source, Path(tmp) / "model")
         model = store_merged(store, source, result, name,
-                             config_hash=stage_hash(cfg, _merge_sections, [checkpoint, base_model]))
+                             config_hash=stage_hash(cfg, merge_sections, [checkpoint, base_model]))
     get_run_logger().info("merge: %s (step %d%s) -> %s", ref, source.step,
                           f", LoRA r={result.lora_rank} merged" if result.lora_rank else "", model)
     return str(model)
 
 
-@task(name="evaluate", cache_key_fn=stage_key("evaluate", _eval_sections, ("dataset", "model")),
+@task(name="evaluate", cache_key_fn=stage_key("evaluate", eval_sections, ("dataset", "model")),
       persist_result=True, result_serializer="json")
 def evaluate_task(cfg: Config, dataset: str, model: str, label: str, ctx: RunContext) -> dict:
     """Evaluate one model on the dataset's validation split; -> its summary record (stages.evaluate.summary)."""
@@ -406,7 +268,7 @@ def evaluate_task(cfg: Config, dataset: str, model: str, label: str, ctx: RunCon
         (Path(tmp) / "metrics.json").write_text(json.dumps(result.scores, indent=2))
         (Path(tmp) / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
         ref = store.put_dir("eval", label, Path(tmp), inputs={"dataset": dataset, "model": model},
-                            config_hash=stage_hash(cfg, _eval_sections, [dataset, model]),
+                            config_hash=stage_hash(cfg, eval_sections, [dataset, model]),
                             metadata={"engine": result.engine, "acc": result.acc})
     get_run_logger().info("evaluate %s (%s, %s): acc=%.3f -> %s", label, model, result.engine, result.acc, ref)
     return summary(result, label, model, dataset, str(ref))

@@ -1,4 +1,4 @@
-"""Cache keys cover content (tasks/stages.py): replacing a file behind the same path - a data file, a reward
+"""Cache keys cover content (tasks/cache_keys.py): replacing a file behind the same path - a data file, a reward
 function, a local model folder - changes the key of every stage that reads it, and nothing else's. They name the
 store as resolved (a relative root from two working directories is two stores), and a cached result whose artifact
 the store no longer holds is a miss."""
@@ -14,7 +14,7 @@ from prefect.serializers import JSONSerializer
 
 from infra.config import load_config
 from infra.store import ArtifactStore
-from tasks import stages
+from tasks import cache_keys, stages
 
 
 def keys(cfg, model: str) -> dict[str, str]:
@@ -76,8 +76,8 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
 
 
 def test_hub_ids_and_artifact_refs_are_taken_as_they_are():
-    assert stages.content_digest("Qwen/Qwen2.5-0.5B-Instruct") is None
-    assert stages._input_identity("model/sft@0123456789abcdef") == "model/sft@0123456789abcdef"
+    assert cache_keys.content_digest("Qwen/Qwen2.5-0.5B-Instruct") is None
+    assert cache_keys._input_identity("model/sft@0123456789abcdef") == "model/sft@0123456789abcdef"
 
 
 def test_the_math_scorer_is_part_of_the_rl_and_eval_keys(tmp_path):
@@ -102,7 +102,7 @@ def test_a_relative_store_root_is_keyed_by_the_folder_it_names(tmp_path, monkeyp
     absolute = load_config(None, [f"storage.root={first / 'outputs' / 'store'}"])
     assert keys(absolute, "Qwen/Qwen2.5-0.5B-Instruct") == from_first  # the same folder, however it is spelled
     # the folder the store writes to
-    assert stages.store_identity(relative.storage) == (ArtifactStore("outputs/store").url("x").removesuffix("/x"),)
+    assert cache_keys.store_identity(relative.storage) == (ArtifactStore("outputs/store").url("x").removesuffix("/x"),)
 
 
 def test_an_s3_store_is_keyed_by_its_endpoint(monkeypatch):
@@ -142,5 +142,5 @@ def test_a_cached_result_naming_an_artifact_the_store_lost_is_a_miss(tmp_path):
 def test_every_artifact_ref_in_a_cached_evaluation_record_is_checked():
     record = {"label": "base", "model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": "dataset/gsm8k@0123456789abcdef",
               "eval": "eval/base@fedcba9876543210", "engine": "hf", "acc": 0.5}
-    assert [str(ref) for ref in stages._artifact_refs(record)] == ["dataset/gsm8k@0123456789abcdef",
+    assert [str(ref) for ref in cache_keys._artifact_refs(record)] == ["dataset/gsm8k@0123456789abcdef",
                                                                     "eval/base@fedcba9876543210"]

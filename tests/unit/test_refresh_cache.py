@@ -8,7 +8,7 @@ import pytest
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from infra.config import load_config
-from tasks import stages
+from tasks import cache_keys, stages
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # a hub id: taken as it is, never loaded here
 
@@ -32,7 +32,7 @@ def rl(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.parquet").write_text("rows")
     dataset = str(store.put_dir("dataset", "synthetic", tmp_path / "data"))
-    name = f"rl-{stages.stage_hash(cfg, stages._rl_sections, [dataset, MODEL])}"
+    name = f"rl-{cache_keys.stage_hash(cfg, cache_keys.rl_sections, [dataset, MODEL])}"
     final = _checkpoint(store, tmp_path, name, 4, flow_run="earlier")
     ctx = stages.RunContext("now", str(tmp_path / "run"))
     ctx.tmp_dir.mkdir(parents=True)

@@ -1,0 +1,169 @@
+"""Cache keys of the stage tasks (tasks/stages.py): what makes Prefect run a stage again, or reuse its result.
+
+Each task's cache key is the hash of the config sections the stage reads (`*_sections`) plus the versions of its input
+artifacts (and the store as resolved: `store_identity`), so changing an unrelated section (say `evaluate`) does not
+re-run SFT, plus the content of every local file the stage reads through a path (data files, a reward function
+file, a local model folder: `content_digest`), so replacing a file behind the same path is a cache miss. A cached
+result that names an artifact the store no longer holds (deleted as corrupt, or by hand) is a cache miss
+(`live_key`). Code changes do not invalidate the cache (every manifest records the code version).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from infra import prefect_env
+
+prefect_env.configure()
+
+from prefect import get_run_logger  # noqa: E402
+from prefect.context import TaskRunContext  # noqa: E402
+from prefect.exceptions import MissingContextError  # noqa: E402
+from prefect.results import ResultStore  # noqa: E402
+
+from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
+from infra.config import Config, StorageConfig, config_hash  # noqa: E402
+from infra.store import ArtifactStore  # noqa: E402
+
+
+def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
+    """A Prefect cache_key_fn over the stage's config sections and its input artifact refs."""
+
+    def key_fn(context: TaskRunContext | None, params: dict) -> str:
+        cfg: Config = params["cfg"]
+        key = f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
+        return live_key(key, cfg, context.result_store) if context else key  # None: called outside a task run
+
+    return key_fn
+
+
+def stage_hash(cfg: Config, sections: Callable[[Config], tuple], inputs: list[str]) -> str:
+    return config_hash(*sections(cfg), *map(_input_identity, inputs), *store_identity(cfg.storage))
+
+
+def store_identity(storage: StorageConfig) -> tuple[str, ...]:
+    """`ArtifactStore.identity`: a relative root is relative to the working directory, while PREFECT_HOME and its
+    cached results are not, so the key holds the root as the store resolves it."""
+    return ArtifactStore.from_config(storage).identity
+
+
+def live_key(key: str, cfg: Config, results: ResultStore) -> str:
+    """`key`, unless the result cached under it in `results` (the task run's result store) names an artifact that the
+    store no longer holds (deleted as corrupt, removed by hand): then a key derived from it and from that result,
+    which Prefect has not cached (a miss: the task runs again and caches its result there) or under which it cached
+    the re-run's result. Costs, only where a result is cached, one read of it and one manifest read per artifact ref
+    in it."""
+    base, store = key, None
+    while results.exists(key):
+        try:
+            value = results.read(key).result
+        except Exception:  # noqa: BLE001 - an unreadable record: Prefect's own read of it decides, as before
+            return key
+        store = store or ArtifactStore.from_config(cfg.storage)
+        missing = [str(ref) for ref in _artifact_refs(value) if not store.exists(ref)]
+        if not missing:
+            return key
+        if key == base:  # once: a later link of the chain names the same artifact when its content is the same
+            run_logger().warning("the cached result of %s names %s, which the store at %s no longer holds: running the "
+                              "task again", key, ", ".join(missing), cfg.storage.root)
+        key = f"{base}-{hashlib.sha256(json.dumps([key, value], default=str).encode()).hexdigest()[:16]}"
+    return key
+
+
+def _artifact_refs(value: object) -> list[ArtifactRef]:
+    """The artifact refs in a task's result: the result itself (a ref string), or the string values of a record
+    (evaluate's summary); other strings (a hub id, a local path) are no refs."""
+    refs = []
+    for item in value.values() if isinstance(value, dict) else [value]:
+        if isinstance(item, str):
+            try:
+                refs.append(ArtifactRef.parse(item))
+            except ValueError:
+                continue
+    return refs
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (its messages reach the run's logs), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+def _input_identity(value: str) -> str:
+    """An artifact ref as is (its version is a content hash); a local path as path + content digest, so that
+    replacing the files behind the same path is a new input; anything else (a hub id) as is."""
+    try:
+        ArtifactRef.parse(value)
+        return value
+    except ValueError:
+        return f"{value}#{content_digest(value)}" if value and Path(value).exists() else value
+
+
+def content_digest(path: str | None) -> str | None:
+    """sha256 over a local file's bytes, or over a folder's (relative path, file sha256) pairs; None for None or
+    a path that does not exist here (a hub id, or a dataset name)."""
+    if not path or not Path(path).exists():
+        return None
+    root = Path(path).resolve()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.relative_to(root) if file != root else ''}\0".encode())
+        digest.update(_file_digest(str(file), stat.st_size, stat.st_mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, computed once per (path, size, mtime) in this process: cache keys of several stages hash
+    the same model folder."""
+    return file_sha256(Path(path))
+
+
+def data_sections(cfg: Config) -> tuple:
+    return cfg.data, str(cfg.run.seed), content_digest(cfg.data.path), content_digest(cfg.data.gsm8k_path)
+
+
+def base_model_sections(cfg: Config) -> tuple:
+    return cfg.model.path, cfg.model.tiny, str(cfg.run.seed), content_digest(cfg.model.path)
+
+
+def sft_sections(cfg: Config) -> tuple:
+    return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
+
+
+def _tool_digests(cfg: Config) -> tuple:
+    """The content of the tool files of rl.multi_turn: its YAMLs (tools, interactions) and its function tools' files."""
+    mt = cfg.rl.multi_turn
+    return (content_digest(mt.tool_config_path), content_digest(mt.interaction_config_path),
+            *(content_digest(spec.rpartition(":")[0]) for spec in mt.tool_functions if ":" in spec))
+
+
+def rl_sections(cfg: Config) -> tuple:
+    reward = cfg.rl.reward
+    return (cfg.rl, cfg.model, cfg.data, str(cfg.run.seed), content_digest(reward.custom_path),
+            content_digest(reward.reward_model_path), *_tool_digests(cfg))
+
+
+def merge_sections(cfg: Config) -> tuple:
+    return cfg.model.lora, cfg.model.trust_remote_code
+
+
+def eval_sections(cfg: Config) -> tuple:
+    """What evaluation results depend on: the engine as resolved here (auto -> vllm or hf), the prompt
+    and response lengths, dtype, the reward function (its file's content too) and the sampling seed."""
+    from stages.evaluate import resolve_engine
+
+    ev, reward = cfg.evaluate, cfg.rl.reward
+    return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
+            cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
+            reward.custom_path, reward.custom_function, reward.math_scorer, str(reward.timeout_s), str(cfg.run.seed),
+            content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
