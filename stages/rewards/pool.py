@@ -217,7 +217,7 @@ class RewardPool:
         self._ctx = multiprocessing.get_context("forkserver")
         _preload_rewards(self._ctx)
         self._warned_keys: set[str] = set()
-        self._warned_tracebacks: set[tuple[str, str]] = set()  # a traceback's last frame and error line, once warned with it
+        self._warned_tracebacks: set[tuple[str, str]] = set()  # (last frame, error line) of those warned with
         # the batch in flight, shared by the event-loop methods below
         self._requests: list[RewardRequest] = []
         self._outcomes: list[tuple | None] = []

@@ -446,7 +446,8 @@ def test_data_files_in_two_folders_say_so(tmp_path, data):
         (tmp_path / folder / f"{name}.parquet").write_bytes((data / f"{name}.parquet").read_bytes())
     (tmp_path / "other.jsonl").write_text("")  # what the common folder also holds
     with pytest.raises(VerlKeyError) as info:
-        translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet", f"data.val_files={tmp_path}/b/test.parquet"])
+        translate(None, [], [f"data.train_files={tmp_path}/a/train.parquet",
+                             f"data.val_files={tmp_path}/b/test.parquet"])
     assert str(info.value).splitlines()[1:] == [
         f"  data.train_files={tmp_path}/a/train.parquet: the train and val files are in 2 folders ({tmp_path}/a, "
         f"{tmp_path}/b); here data prep reads one folder (data.path), so put the train and val files together in a "
