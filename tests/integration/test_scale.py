@@ -422,8 +422,9 @@ def test_sharded_checkpoint_resumes_on_two_workers(ray_cluster, tiny_data_dir, t
     versions = sorted(store.versions("checkpoint", "rl-scale"), key=lambda m: m.metadata["step"])
     assert [m.metadata["step"] for m in versions] == [1, 2, 3]
     last = store.get_dir(versions[-1].ref)
-    for role in ("actor", "critic"):  # each rank wrote its own shard file
-        assert sorted(p.name for p in (last / role).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for role in ("actor", "critic"):  # each rank wrote its own shard file and its generators
+        assert sorted(p.name for p in (last / role).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                   "rng_rank0.pt", "rng_rank1.pt"]
     merged = hf_weights(read_checkpoint_model_state(last), lora_scale=None)  # one process, no process group
     assert merged.keys() == trained.keys()
     for name, value in trained.items():
