@@ -5,8 +5,8 @@ torch, vLLM or Ray state and threads, so forking it is unsafe; the fork server i
 and forking a worker from it is cheap). Each worker loads the reward function itself: the default
 `stages.rewards.default_compute_score` with `cfg.math_scorer` bound, or the user's function by file path and
 name (a function loaded from a file cannot be pickled by reference); the path, name and math_scorer travel as
-the worker's start arguments. The parent loads a user's function once too, so a wrong path or name is a
-ValueError at construction.
+the worker's start arguments (stages/rewards/pool_worker.py). The parent loads a user's function once too, so a
+wrong path or name is a ValueError at construction.
 
 Protocol, per worker, over one duplex Pipe:
 
@@ -32,30 +32,26 @@ prints above the driver's traceback.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import multiprocessing
 import signal
 import time
-import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
 
 from infra.rl_config import RewardConfig
-from stages.rewards import default_compute_score
 from stages.rewards.custom import load_reward_fn
+from stages.rewards.pool_worker import worker_main
 
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 64  # samples per message: few messages for big batches, still balanced across workers
 STARTUP_TIMEOUT_S = 120.0  # a worker must import and load the reward function within this
 SNIPPET_CHARS = 80  # of solution_str, in warnings
-TRACEBACK_CHARS = 8000  # of a scorer's traceback, its end kept: the innermost frames and the error
 
 
 class RewardFailedError(RuntimeError):
@@ -87,84 +83,7 @@ class RewardResult:
 
 
 # --------------------------------------------------------------------------------------------------
-# Worker side
-
-
-def _load_fn(custom_path: str | None, custom_function: str, math_scorer: str):
-    if custom_path is None:
-        return functools.partial(default_compute_score, math_scorer=math_scorer)
-    return load_reward_fn(custom_path, custom_function)
-
-
-def _worker_main(conn: Connection, custom_path: str | None, custom_function: str, math_scorer: str) -> None:
-    """Load the reward function, say ready, then score chunks until None or the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
-    try:
-        fn = _load_fn(custom_path, custom_function, math_scorer)
-    except Exception as exc:  # the user's file may raise anything on import: report it to the parent
-        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if chunk is None:
-            return
-        for item in chunk:
-            conn.send(_score_one(fn, item))
-
-
-def _score_one(fn, item: tuple) -> tuple:
-    """`(index, score, components, error, dropped_keys, traceback)` of one sample; never raises for the user's code."""
-    index, data_source, solution_str, ground_truth, extra_info = item
-    try:
-        raw = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                 extra_info=extra_info)
-    except Exception as exc:  # the user's scorer may raise anything; one bad sample must not stop the run
-        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", (), _scorer_traceback(exc)
-    return (index, *_normalise(raw), None)
-
-
-def _scorer_traceback(exc: Exception) -> str:
-    """The exception as Python prints it, from the scorer's frame on (this module's frame left out); its last
-    TRACEBACK_CHARS."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-    return text if len(text) <= TRACEBACK_CHARS else "...\n" + text[-TRACEBACK_CHARS:]
-
-
-def _as_float(value: Any) -> float | None:
-    """`value` as a float if it is a number (bool, int, float, numpy or 0-dim torch scalar), else None."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):  # complex, multi-element arrays
-        return None
-
-
-def _normalise(raw: Any) -> tuple[float, dict[str, float], str | None, tuple[str, ...]]:
-    """A float or a dict with "score" -> (score, numeric components, error, non-numeric keys dropped)."""
-    extras: dict = {}
-    if isinstance(raw, dict):
-        if "score" not in raw:
-            return 0.0, {}, f"error: KeyError: reward dict has no 'score' key (keys: {sorted(map(str, raw))})", ()
-        extras = {str(k): v for k, v in raw.items() if k != "score"}
-        raw = raw["score"]
-    score = _as_float(raw)
-    if score is None:
-        msg = f"reward is {type(raw).__name__}; return a float or a dict with a float 'score'"
-        return 0.0, {}, f"error: TypeError: {msg}", ()
-    components = {k: v for k, v in ((k, _as_float(v)) for k, v in extras.items()) if v is not None}
-    dropped = tuple(k for k in extras if k not in components)
-    if not math.isfinite(score):
-        return 0.0, components, "nan", dropped
-    return score, components, None, dropped
-
-
-# --------------------------------------------------------------------------------------------------
-# Parent side
+# Parent side (the workers' side: stages/rewards/pool_worker.py)
 
 
 class _Worker:
@@ -172,7 +91,7 @@ class _Worker:
 
     def __init__(self, ctx, custom_path: str | None, custom_function: str, math_scorer: str) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, custom_path, custom_function, math_scorer),
+        self.process = ctx.Process(target=worker_main, args=(child_conn, custom_path, custom_function, math_scorer),
                                    name="reward-worker", daemon=True)
         self.process.start()
         child_conn.close()  # so that the worker's death reads as EOF here
@@ -426,4 +345,4 @@ class RewardPool:
 def _preload_rewards(ctx) -> None:
     """Have the fork server import the rule scorers (math-verify imports sympy, ~1 s) once, so that
     starting or replacing a worker is a fork. Only effective before the fork server first starts."""
-    ctx.set_forkserver_preload(["__main__", "stages.rewards.pool", "stages.rewards"])
+    ctx.set_forkserver_preload(["__main__", "stages.rewards.pool_worker", "stages.rewards"])
