@@ -1,7 +1,7 @@
 """A user's local parquet/JSONL rows, mapped to the pipeline's `Example`s by `data.columns`.
 
 This module also holds what every recipe shares: `Example` (one problem before it is written in verl's
-schema), `Splits`, reading local files with row locations for error messages, the bad-row policy
+schema), `Splits`, reading local files (data/reading.py: with row locations for error messages), the bad-row policy
 (`data.bad_rows`: error or skip and count) and the seeded train/validation split.
 
 A file (or a folder of files) is read in one of two layouts, detected from its columns:
@@ -23,26 +23,20 @@ files are the validation split, all others the training split); any other file o
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from data.reading import BadRow, Location, Row, column_names, data_files, read_rows, split_files
 from infra.config import ColumnMapping, DataConfig
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-SUFFIXES = (".parquet", ".jsonl")
-VALIDATION_WORDS = {"test", "validation", "valid", "val", "dev", "eval"}
 VERL_COLUMNS = ("prompt", "reward_model")
 EXTRA_INFO_KEYS = ("split", "index", "question", "answer")  # written by data_prep; others pass through
 NUMBER = re.compile(r"-?[0-9][0-9,]*(\.[0-9]+)?")
@@ -74,117 +68,7 @@ class Splits:
     sft_extra: list[Example] = field(default_factory=list)  # SFT-only rows about `train` problems
 
 
-@dataclass(frozen=True)
-class Location:
-    """Where a row came from, for messages: `row 17 (line 18) of data.jsonl`."""
-
-    file: str
-    index: int
-    line: int | None = None
-
-    def __str__(self) -> str:
-        line = f" (line {self.line})" if self.line is not None else ""
-        return f"row {self.index}{line} of {self.file}"
-
-
-class BadRow(ValueError):
-    """A row that cannot become an Example; the message names the field and what is wrong."""
-
-
-Row = tuple[Location, "dict | BadRow"]
 Convert = Callable[[dict, int], Example]
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading
-
-
-def data_files(path: Path) -> list[Path]:
-    """The .parquet/.jsonl files at `path` (a file, or a folder searched recursively), sorted."""
-    if path.is_file():
-        if path.suffix not in SUFFIXES:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-    if not files:
-        raise ValueError(f"{path}: no .parquet or .jsonl files in this folder")
-    return files
-
-
-def read_rows(path: Path) -> Iterator[Row]:
-    """Rows of one file with their locations; a JSONL line that is not UTF-8 text or not a JSON object becomes a
-    BadRow (whose message never quotes the line: data may be private, and errors reach logs)."""
-    if path.suffix == ".parquet":
-        for i, row in enumerate(read_parquet(path).to_pylist()):
-            yield Location(path.name, i), row
-        return
-    index = 0
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            row = _json_row(raw)
-            if row is None:
-                continue
-            yield Location(path.name, index, line_no), row
-            index += 1
-
-
-def _json_row(raw: bytes) -> dict | BadRow | None:
-    """One JSONL line -> its object, a BadRow saying what is wrong, or None for a blank line."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return BadRow(f"not UTF-8 text (byte {exc.start + 1} of the line is {raw[exc.start:exc.start + 1]!r}); "
-                      "save the file as UTF-8")
-    if not line.strip():
-        return None
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")
-    if not isinstance(row, dict):
-        return BadRow(f"a JSON {type(row).__name__}, expected an object with named fields")
-    return row
-
-
-def read_parquet(path: Path) -> pa.Table:
-    with _parquet_errors(path):
-        return pq.read_table(path)
-
-
-@contextmanager
-def _parquet_errors(path: Path) -> Iterator[None]:
-    """pyarrow's errors with the file's name (its own do not say which: 'Parquet file size is 0 bytes')."""
-    try:
-        yield
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{path}: not a readable parquet file ({exc}); replace or remove it") from None
-
-
-def split_files(files: list[Path]) -> dict[str, list[Path]]:
-    """{'train': [...], 'validation': [...]} when some file names hold a validation word, else {'all': files}.
-
-    Names are split into words at non-alphanumerics: `test.jsonl`, `gsm8k_test_sample.jsonl` and
-    `test-00000-of-00001.parquet` are validation files; every other file is a training file.
-    """
-    validation = [p for p in files if VALIDATION_WORDS & set(re.split(r"[^a-z0-9]+", p.stem.lower()))]
-    train = [p for p in files if p not in validation]
-    if not (train and validation):
-        return {"all": files}
-    return {"train": train, "validation": validation}
-
-
-def column_names(files: list[Path]) -> set[str]:
-    """Column names of the files (for JSONL: the keys of the first 1000 rows of each)."""
-    names: set[str] = set()
-    for path in files:
-        if path.suffix == ".parquet":
-            with _parquet_errors(path):
-                names.update(pq.read_schema(path).names)
-            continue
-        for _, (_, row) in zip(range(1000), read_rows(path), strict=False):
-            if isinstance(row, dict):
-                names.update(row)
-    return names
 
 
 # --------------------------------------------------------------------------------------------------

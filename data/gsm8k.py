@@ -18,7 +18,8 @@ import logging
 import re
 from pathlib import Path
 
-from data.files import BadRow, Example, Location, Splits, convert_rows, load_local, text_field
+from data.files import Example, Splits, convert_rows, load_local, text_field
+from data.reading import BadRow, Location
 from infra.config import DataConfig
 
 logger = logging.getLogger(__name__)

@@ -183,8 +183,6 @@ def check_verl_keys_placed(argv: list[str], overrides: list[str]) -> None:
     """verl's keys given among ours (before `--verl`, or without it): a ConfigError that says to give them after
     `--verl`, with the command line that does (the config's own error would call `actor_rollout_ref` an unknown
     key and list our sections)."""
-    from infra.verl_keys import verl_only
-
     misplaced = [arg for arg in overrides if verl_only(arg.partition("=")[0])]
     if not misplaced:
         return
@@ -192,6 +190,28 @@ def check_verl_keys_placed(argv: list[str], overrides: list[str]) -> None:
     raise ConfigError(f"{', '.join(misplaced)}: verl's {'key' if len(misplaced) == 1 else 'keys'}, not this "
                       "project's; give verl's overrides after --verl, which maps them onto this project's keys (README "
                       f"'From verl'):\n  {shlex.join([sys.orig_argv[0], '-m', 'flows.post_train', *fixed])}")
+
+
+def verl_only(key: str) -> bool:
+    """Whether the dotted `key` (Hydra's `+`/`++` prefix allowed) is verl's and not one of this project's: a key of
+    the table, or any key under a section that only verl's config has (actor_rollout_ref, trainer, ...). Such a key
+    among our overrides belongs after `--verl`."""
+    from infra.verl_keys import TABLE
+
+    key = key.lstrip("+")
+    roots = {k.split(".")[0] for k in TABLE} - set(Config.model_fields)
+    return (key in TABLE or key.split(".")[0] in roots) and not _native(key)
+
+
+def _native(key: str) -> bool:
+    """Whether `key` names a field of this project's config (`data.max_prompt_length` is both verl's and ours)."""
+    node: object = Config
+    for part in key.split("."):
+        fields = getattr(node, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        node = fields[part].annotation
+    return True
 
 
 def preflight(cfg: Config) -> None:

@@ -347,8 +347,8 @@ def _check_files(paths: list[Path]) -> None:
 
 def _one_folder(train: list[Path], val: list[Path]) -> Overrides:
     """data.path = the folder of the train and val files, which must hold them and nothing else, the validation files
-    being the ones whose names say so (data/files.py `split_files`)."""
-    from data.files import data_files, split_files  # the rules data prep reads files by (data/files.py)
+    being the ones whose names say so (data/reading.py `split_files`)."""
+    from data.reading import data_files, split_files  # the rules data prep reads files by
 
     folders = sorted({str(p.resolve().parent) for p in train + val})
     if len(folders) > 1:
@@ -372,7 +372,8 @@ def _one_folder(train: list[Path], val: list[Path]) -> Overrides:
 
 def _with_columns(out: Overrides, files: list[Path], given: Given) -> Overrides:
     """`out`, once the files have verl's RL columns (data/files.py `verl_layout_problem` says what is missing)."""
-    from data.files import column_names, verl_layout_problem
+    from data.files import verl_layout_problem
+    from data.reading import column_names
 
     problem = verl_layout_problem(column_names(files), ", ".join(map(str, files)), given.base.data.columns)
     if problem:

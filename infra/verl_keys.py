@@ -379,27 +379,3 @@ ROWS = [
 
 TABLE: dict[str, VerlKey] = {row.key: row for row in ROWS}
 assert len(TABLE) == len(ROWS), "a verl key is listed twice"
-
-
-def verl_only(key: str) -> bool:
-    """Whether the dotted `key` (Hydra's `+`/`++` prefix allowed) is verl's and not one of this project's: a key of
-    the table, or any key under a section that only verl's config has (actor_rollout_ref, trainer, ...). Such a key
-    among our overrides belongs after `--verl`."""
-    from infra.config import Config
-
-    key = key.lstrip("+")
-    roots = {k.split(".")[0] for k in TABLE} - set(Config.model_fields)
-    return (key in TABLE or key.split(".")[0] in roots) and not _native(key)
-
-
-def _native(key: str) -> bool:
-    """Whether `key` names a field of this project's config (`data.max_prompt_length` is both verl's and ours)."""
-    from infra.config import Config
-
-    node: object = Config
-    for part in key.split("."):
-        fields = getattr(node, "model_fields", None)
-        if not fields or part not in fields:
-            return False
-        node = fields[part].annotation
-    return True
