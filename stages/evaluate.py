@@ -195,9 +195,10 @@ def _samples(rollout: Rollout, prompts, rows: list[int], params: SamplingParams,
     accs = [None if math.isnan(a) else a for a in scored.result.components.get("acc", [math.nan] * len(trajectories))]
     return [{"prompt_index": t.prompt_index, "sampled": sampled, "data_source": prompts.data_sources[t.prompt_index],
              "prompt": prompts.prompts[t.prompt_index][-1]["content"], "response": t.text,
-             "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "acc": acc,
+             "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "acc": acc, "pred": pred,
              "reward_error": error, "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
-            for t, score, acc, error in zip(trajectories, scored.result.scores, accs, scored.result.errors)]
+            for t, score, acc, pred, error in zip(trajectories, scored.result.scores, accs, scored.result.preds,
+                                                  scored.result.errors)]
 
 
 def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:

@@ -2,7 +2,9 @@
 
 mean@n is the average score of all samples; best@n the share of prompts with at least one correct
 sample (pass@n); maj@n the score of the most common final answer (ties: the answer seen first), as
-verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy.
+verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy. The answer is the
+reward's own `pred` where it returns one (math_dapo: "12" from "x = 12, so Answer: 12", as verl votes), else the
+response's `####` answer or last line.
 
 A sample's value is its `acc` when the reward function returned one (math_dapo's data_sources score -1/+1 with
 acc 0/1), else its score: verl's val-core metrics likewise use `acc` when the reward gives it.
@@ -56,7 +58,7 @@ def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str,
 
 
 def _majority_score(group: list[dict]) -> float:
-    answers = [final_answer(s["response"]) for s in group]
+    answers = [s["pred"] if s.get("pred") is not None else final_answer(s["response"]) for s in group]
     winner, _ = Counter(answers).most_common(1)[0]
     return sample_value(group[answers.index(winner)])
 
@@ -74,9 +76,10 @@ def validation_samples(rollout: Rollout, prompts: PromptSet, rows: list[int], pa
     result = rollout.score(prompts, rows, trajectories).result
     accs = [None if math.isnan(a) else a for a in result.components.get("acc", [math.nan] * len(trajectories))]
     return [{"prompt_index": t.prompt_index, "data_source": prompts.data_sources[rows[t.prompt_index]], "score": s,
-             "acc": acc, "response": t.text, "ground_truth": str(prompts.ground_truths[rows[t.prompt_index]]),
+             "acc": acc, "pred": pred, "response": t.text,
+             "ground_truth": str(prompts.ground_truths[rows[t.prompt_index]]),
              "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
-            for t, s, acc in zip(trajectories, result.scores, accs)]
+            for t, s, acc, pred in zip(trajectories, result.scores, accs, result.preds)]
 
 
 def start_summary(num_prompts: int, metrics: dict[str, float], n: int, temperature: float) -> tuple[str, float]:

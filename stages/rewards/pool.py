@@ -13,8 +13,9 @@ Protocol, per worker, over one duplex Pipe:
 - worker -> parent: `("ready",)` once the function is loaded (or `("fatal", msg)` and exit);
 - parent -> worker: a chunk, a list of `(index, data_source, solution_str, ground_truth, extra_info)`,
   or None to exit; only idle, ready workers get a chunk, so the worker is always reading when sent to;
-- worker -> parent: one `(index, score, components, error, dropped_keys, traceback)` tuple per sample, as each
-  finishes, so the parent sees progress sample by sample (`traceback`: the user's function's, when it raised).
+- worker -> parent: one `(index, score, components, error, dropped_keys, traceback, pred)` tuple per sample, as
+  each finishes, so the parent sees progress sample by sample (`traceback`: the user's function's, when it raised;
+  `pred`: the answer a dict result names, as text).
 
 Timeout: the parent waits at most `timeout_s` for a busy worker's next result (counted from the chunk's
 dispatch, the previous result, or the worker's "ready", whichever is latest). On expiry the sample in
@@ -35,7 +36,6 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
-import signal
 import time
 import weakref
 from collections import deque
@@ -80,6 +80,7 @@ class RewardResult:
     components: dict[str, list[float]]  # extra numeric keys of dict results; NaN where a sample lacked one
     errors: list[str | None]  # None, "error: <ExcType: msg>", "timeout after Xs" or "nan"
     metrics: dict[str, float] = field(default_factory=dict)  # reward/errors|timeouts|nan, reward/<c>/mean
+    preds: list[str | None] = field(default_factory=list)  # a dict result's "pred" (the answer it read), as text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ class RewardPool:
         worker = self._workers[i]
         if worker.pending:
             index = worker.pending.popleft()
-            self._outcomes[index] = (0.0, {}, error, (), None)
+            self._outcomes[index] = (0.0, {}, error, (), None, None)
             self._missing -= 1
             if worker.pending:
                 self._queue.appendleft(list(worker.pending))
@@ -301,7 +302,8 @@ class RewardPool:
         for name, values in components.items():
             present = [v for v in values if not math.isnan(v)]
             metrics[f"reward/{name}/mean"] = sum(present) / len(present) if present else math.nan
-        return RewardResult(scores=scores, components=components, errors=errors, metrics=metrics)
+        return RewardResult(scores=scores, components=components, errors=errors, metrics=metrics,
+                            preds=[o[5] for o in outcomes])
 
     def _check_failures(self, requests: list[RewardRequest], errors: list[str | None],
                         tracebacks: list[str | None]) -> None:

@@ -46,14 +46,21 @@ def worker_main(conn: Connection, custom_path: str | None, custom_function: str,
 
 
 def _score_one(fn, item: tuple) -> tuple:
-    """`(index, score, components, error, dropped_keys, traceback)` of one sample; never raises for the user's code."""
+    """`(index, score, components, error, dropped_keys, traceback, pred)` of one sample; never raises for the user's
+    code."""
     index, data_source, solution_str, ground_truth, extra_info = item
     try:
         raw = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                  extra_info=extra_info)
     except Exception as exc:  # the user's scorer may raise anything; one bad sample must not stop the run
-        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", (), _scorer_traceback(exc)
-    return (index, *_normalise(raw), None)
+        return index, 0.0, {}, f"error: {type(exc).__name__}: {exc}", (), _scorer_traceback(exc), None
+    return (index, *_normalise(raw), None, _pred(raw))
+
+
+def _pred(raw: Any) -> str | None:
+    """The answer a dict result says the response gave (verl's `pred`, as math_dapo returns it), as text."""
+    pred = raw.get("pred") if isinstance(raw, dict) else None
+    return None if pred is None else str(pred)
 
 
 def _scorer_traceback(exc: Exception) -> str:
@@ -79,7 +86,7 @@ def _normalise(raw: Any) -> tuple[float, dict[str, float], str | None, tuple[str
     if isinstance(raw, dict):
         if "score" not in raw:
             return 0.0, {}, f"error: KeyError: reward dict has no 'score' key (keys: {sorted(map(str, raw))})", ()
-        extras = {str(k): v for k, v in raw.items() if k != "score"}
+        extras = {str(k): v for k, v in raw.items() if k not in ("score", "pred")}  # pred: the answer, see _pred
         raw = raw["score"]
     score = _as_float(raw)
     if score is None:

@@ -48,7 +48,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 WITH_COMPONENTS = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     acc = float(solution_str.strip() == ground_truth)
-    out = {"score": acc - 0.5 * extra_info["penalty"], "acc": acc, "pred": solution_str.strip()}
+    out = {"score": acc - 0.5 * extra_info["penalty"], "acc": acc, "pred": solution_str.strip(), "note": "text"}
     if "fmt" in extra_info:
         out["format"] = extra_info["fmt"]
     return out
@@ -122,6 +122,7 @@ def test_default_pool_scores_math_as_verl(default_pool):
     assert list(result.components) == ["acc"]  # math_dapo's bool acc; its string pred is left out
     assert math.isnan(result.components["acc"][0]) and result.components["acc"][2:] == [1.0, 0.0]
     assert result.metrics["reward/acc/mean"] == pytest.approx(0.5)  # (1 + 0) / 2 math_dapo samples
+    assert result.preds == [None, None, "1000", "7"]  # math_dapo's answer, kept for maj@n's vote
 
 
 def test_math_verify_option_reaches_the_workers():
@@ -153,8 +154,9 @@ def test_custom_dict_components_and_means(tmp_path, caplog):
     assert result.errors == [None, None, None]
     assert result.components["acc"] == [1.0, 0.0, 1.0]
     assert result.components["format"][:2] == [1.0, 0.0] and math.isnan(result.components["format"][2])
-    assert "pred" not in result.components  # a string: not a component, warned about once
-    assert "'pred' is not a number" in caplog.text
+    assert "pred" not in result.components and result.preds == ["4", "5", "4"]  # the answer, for maj@n's vote
+    assert "note" not in result.components  # another string: not a component, warned about once
+    assert "'note' is not a number" in caplog.text and "'pred'" not in caplog.text
     assert result.metrics["reward/acc/mean"] == pytest.approx(2 / 3)  # (1 + 0 + 1) / 3
     assert result.metrics["reward/format/mean"] == pytest.approx(0.5)  # (1 + 0) / 2: the sample without it is out
 

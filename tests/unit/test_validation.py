@@ -38,3 +38,15 @@ def test_evaluation_acc_counts_the_rewards_own_acc_as_validation_does():
             for i, (score, acc) in enumerate([(0.9, 1.0), (0.9, 1.0), (1.0, 1.0), (0.0, 0.0)])]
     scores, _ = score_table(rows, [], 1)
     assert scores[ALL]["acc"] == 0.75 == group_metrics(rows, 1)["val/acc/mean@1"]
+
+
+def test_majority_votes_on_the_rewards_own_answer():
+    """math_dapo's pred: three right answers worded differently outvote two identical wrong ones (the vote on each
+    response's last line split them three ways: maj@5 was 0)."""
+    samples = [_sample(0, "math", 1.0, text, acc=1.0) for text in ("x = 12, so\nAnswer: 12", "it is 12",
+                                                                     "so it is\nAnswer: $12$")]
+    samples += [_sample(0, "math", -1.0, "I think\nAnswer: 7", acc=0.0) for _ in range(2)]
+    assert group_metrics(samples, 5)["val/acc/maj@5"] == 0.0  # no pred: last lines "Answer: 7" x2 win
+    for s, pred in zip(samples, ["12", "12", "12", "7", "7"]):
+        s["pred"] = pred
+    assert group_metrics(samples, 5)["val/acc/maj@5"] == 1.0
