@@ -143,10 +143,20 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     path: str = Field("tiny", min_length=1, description="'tiny' (built-in spec), a local HF folder or a hub id.")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="What the model computes in (training: its forwards and backwards under FSDP2 mixed "
+        "precision, with float32 master weights and optimizer state; rollout and evaluation: the engines' weights).")
     lora: LoraConfig | None = Field(None, description="Set to enable peft LoRA; null for full fine-tuning.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     trust_remote_code: bool = Field(False, description="Passed to transformers for hub models.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16_training(cls, dtype: str) -> str:
+        if dtype == "float16":  # the loss is divided by the batch's token count: small gradients flush to zero
+            raise ValueError("float16 training needs loss scaling, which the trainers do not do (small gradients "
+                             "underflow to 0); use bfloat16 (NVIDIA GPUs since Ampere, TPUs) or float32")
+        return dtype
 
 
 class SFTOptimConfig(OptimConfig):
