@@ -24,6 +24,9 @@ def configure() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "stages,infra,data")  # our loggers in run logs
+    # ... and outside runs (the command line's lines before and after the flow, the CLIs) only where they go anyway,
+    # without Prefect's warning that no flow run is there to receive them
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in PACKAGES:  # Prefect forwards these to the run's logs, but leaves their level at WARNING
         logging.getLogger(name).setLevel(logging.INFO)
