@@ -197,21 +197,11 @@ def verl_only(key: str) -> bool:
     the table, or any key under a section that only verl's config has (actor_rollout_ref, trainer, ...). Such a key
     among our overrides belongs after `--verl`."""
     from infra.verl_keys import TABLE
+    from infra.verl_overrides import is_native
 
     key = key.lstrip("+")
     roots = {k.split(".")[0] for k in TABLE} - set(Config.model_fields)
-    return (key in TABLE or key.split(".")[0] in roots) and not _native(key)
-
-
-def _native(key: str) -> bool:
-    """Whether `key` names a field of this project's config (`data.max_prompt_length` is both verl's and ours)."""
-    node: object = Config
-    for part in key.split("."):
-        fields = getattr(node, "model_fields", None)
-        if not fields or part not in fields:
-            return False
-        node = fields[part].annotation
-    return True
+    return (key in TABLE or key.split(".")[0] in roots) and not is_native(key)
 
 
 def preflight(cfg: Config) -> None:

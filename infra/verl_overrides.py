@@ -174,7 +174,7 @@ def _line(text: str, natives: list[str], row: VerlKey, times: int) -> str:
 
 def _unknown(key: str) -> str:
     """Why `key` is not in the table, with the nearest key that is (a key whose end it is, else by spelling)."""
-    if _is_native(key):
+    if is_native(key):
         return "one of this project's keys, not verl's: give it before --verl (everything after --verl is verl's)"
     ends = [k for k in TABLE if k.endswith("." + key)]
     near = ends if len(ends) == 1 else difflib.get_close_matches(key, list(TABLE), n=1, cutoff=0.6)
@@ -182,8 +182,9 @@ def _unknown(key: str) -> str:
     return f"not a verl key this project maps or refuses (it knows {len(TABLE)}){hint}"
 
 
-def _is_native(key: str) -> bool:
-    """Whether `key` names a field of this project's config (a recipe's key given after --verl by mistake)."""
+def is_native(key: str) -> bool:
+    """Whether `key` names a field of this project's config (a recipe's key given after --verl by mistake;
+    `data.max_prompt_length` is both verl's and ours)."""
     node: object = Config
     for part in key.split("."):
         fields = getattr(node, "model_fields", None)
