@@ -45,7 +45,6 @@ turn in `extra_info["turns"]` (user turns with their `score`). The tools' step r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -147,25 +146,46 @@ def _create_kwargs(tools_kwargs: dict, name: str) -> dict:
 
 async def _create_instances(tools: dict, tools_kwargs: dict) -> dict[str, str]:
     """Each tool's instance id for one trajectory. When a `create` raises, the instances created before it are
-    released (each, even if another's release raises) and the error propagates: nobody else knows their ids."""
+    released (each, even if another's release raises) and the create's error propagates: nobody else knows their
+    ids."""
     instances: dict[str, str] = {}
-    async with contextlib.AsyncExitStack() as created:
+    try:
         for name, tool in tools.items():
             instances[name] = await tool.create(**_create_kwargs(tools_kwargs, name))
-            created.push_async_callback(tool.release, instances[name])
-        created.pop_all()  # all created: the trajectory releases them when it ends
+    except BaseException:
+        await _all_of([(tools[name].release, iid) for name, iid in instances.items()], raise_first=False)
+        raise
     return instances
 
 
 async def _finish(tools: dict, instances: dict[str, str], session: InteractionSession | None) -> float:
     """The trajectory's summed tool rewards; then every instance is released and the session finalised, each even if
-    a reward, a release or the finalising raises (the first error propagates)."""
-    async with contextlib.AsyncExitStack() as ending:
-        if session:
-            ending.push_async_callback(session.finalize)
-        for name, tool in tools.items():
-            ending.push_async_callback(tool.release, instances[name])
-        return sum([await tool.calc_reward(instances[name]) for name, tool in tools.items()], 0.0)
+    a reward, a release or the finalising raised. The first error propagates; later ones are logged."""
+    cleanup = [(tool.release, instances[name]) for name, tool in tools.items()]
+    cleanup += [(session.finalize,)] if session else []
+    try:
+        reward = sum([await tool.calc_reward(instances[name]) for name, tool in tools.items()], 0.0)
+    except BaseException:
+        await _all_of(cleanup, raise_first=False)
+        raise
+    await _all_of(cleanup, raise_first=True)
+    return reward
+
+
+async def _all_of(calls: list[tuple], raise_first: bool) -> None:
+    """Await every (fn, *args) in order, whatever each raises; the first exception is raised at the end when
+    `raise_first`, the rest are logged with their tracebacks."""
+    first = None
+    for fn, *args in calls:
+        try:
+            await fn(*args)
+        except Exception as exc:
+            if raise_first and first is None:
+                first = exc
+            else:
+                logger.warning("tool loop: %s failed while ending a trajectory", fn.__qualname__, exc_info=exc)
+    if first is not None:
+        raise first
 
 
 def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:

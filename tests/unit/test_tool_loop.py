@@ -293,14 +293,19 @@ def test_calls_marked_by_special_tokens_parse(tiny_model_dir):
 class Counted(BaseTool):
     """Keeps its instances in `self.instances` (BaseTool's create/release); `fail_create` makes create raise."""
 
-    def __init__(self, name: str, fail_create: bool = False, fail_reward: bool = False):
+    def __init__(self, name: str, fail_create: bool = False, fail_reward: bool = False, fail_release: bool = False):
         super().__init__(tool_schema={"function": {"name": name}})
-        self.fail_create, self.fail_reward = fail_create, fail_reward
+        self.fail_create, self.fail_reward, self.fail_release = fail_create, fail_reward, fail_release
 
     async def create(self, instance_id=None, **create_kwargs):
         if self.fail_create:
             raise RuntimeError(f"{self.name}: no session")
         return await super().create(instance_id, **create_kwargs)
+
+    async def release(self, instance_id, **kwargs):
+        await super().release(instance_id, **kwargs)
+        if self.fail_release:
+            raise RuntimeError(f"{self.name}: release failed")
 
     async def calc_reward(self, instance_id, **kwargs):
         if self.fail_reward:
@@ -324,3 +329,18 @@ def test_a_failing_reward_still_releases_every_instance(tokenizer):
     with pytest.raises(RuntimeError, match="first: reward failed"):
         run(tokenizer, {0: ["done"]}, tools=tools)
     assert tools["first"].instances == {} and tools["second"].instances == {}
+
+
+def test_the_first_error_at_a_trajectorys_end_is_the_one_raised(tokenizer, caplog):
+    """A release that raised after a reward had raised used to replace the reward's error (the user saw 'release
+    failed', with the reward's error only as its context)."""
+    tools = {"first": Counted("first", fail_reward=True), "second": Counted("second", fail_release=True)}
+    with pytest.raises(RuntimeError, match="first: reward failed"):
+        run(tokenizer, {0: ["done"]}, tools=tools)
+    assert "second: release failed" in caplog.text and tools["first"].instances == {}
+    with pytest.raises(RuntimeError, match="third: no session"):  # a create's error, not the release's after it
+        run(tokenizer, {0: ["done"]}, tools={"second": Counted("second", fail_release=True),
+                                             "third": Counted("third", True)})
+    ok = {"first": Counted("first"), "second": Counted("second", fail_release=True)}
+    with pytest.raises(RuntimeError, match="second: release failed"):  # alone, a release's error still propagates
+        run(tokenizer, {0: ["done"]}, tools=ok)
