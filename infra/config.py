@@ -150,14 +150,6 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     trust_remote_code: bool = Field(False, description="Passed to transformers for hub models.")
 
-    @field_validator("dtype")
-    @classmethod
-    def _no_float16_training(cls, dtype: str) -> str:
-        if dtype == "float16":  # the loss is divided by the batch's token count: small gradients flush to zero
-            raise ValueError("float16 training needs loss scaling, which the trainers do not do (small gradients "
-                             "underflow to 0); use bfloat16 (NVIDIA GPUs since Ampere, TPUs) or float32")
-        return dtype
-
 
 class SFTOptimConfig(OptimConfig):
     """The optimizer section with SFT's defaults (same fields as rl.actor.optim)."""
@@ -325,6 +317,16 @@ class Config(Section):
             raise ValueError(f"{', '.join(fields)} holds a URL with a password; remove the user:password@ part and "
                              "give credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
                              "for S3), which is never saved")
+        return self
+
+    @model_validator(mode="after")
+    def _no_float16_training(self) -> Config:
+        """float16 runs only where nothing trains (evaluation, generation): the loss is divided by the batch's token
+        count and there is no loss scaling, so small float16 gradients would flush to zero."""
+        if self.model.dtype == "float16" and (self.sft.enabled or self.rl.enabled):
+            raise ValueError("model.dtype=float16: training in float16 needs loss scaling, which the trainers do not "
+                             "do (small gradients underflow to 0); use bfloat16 (NVIDIA GPUs since Ampere, TPUs) or "
+                             "float32")
         return self
 
     @model_validator(mode="after")
