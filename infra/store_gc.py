@@ -132,5 +132,6 @@ class GarbageCollection:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
-                removed.append(str(path))
+                if not path.exists():  # rmtree ignored its errors: report what is really gone
+                    removed.append(str(path))
         return removed, len(found) - len(removed)

@@ -11,15 +11,19 @@ configs, trajectory parquet files, reports, leases), each written atomically. Mi
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from infra.store_base import ARTIFACTS, STAGING
 
+_TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")  # mkstemp(prefix=".<name>.", suffix=".tmp")
+
 
 def is_temp_name(filename: str) -> bool:
-    """A temp file of _temp_file (write_bytes, create_exclusive) by its name."""
-    return filename.startswith(".") and filename.endswith(".tmp")
+    """A temp file of _temp_file (write_bytes, create_exclusive) by its name: not any dotfile ending in .tmp, which
+    another tool sharing the folder may own."""
+    return _TEMP_NAME.match(filename) is not None
 
 
 def _temp_file(path: Path) -> tuple[int, str]:

@@ -63,12 +63,13 @@ def test_only_stale_temp_files_and_partial_downloads_go(tmp_path):
     root, cache = tmp_path / "store", tmp_path / "cache"
     ref = store.put_dir("dataset", "d", make_dir(tmp_path / "src", {".keep.tmp": b"a version's own file"}))
     store.write_bytes("leases/x.json", b"{}")
-    stale_tmp = make_dir(root, {"leases/.x.json.a1b2.tmp": b"{"}) / "leases/.x.json.a1b2.tmp"
-    live_tmp = make_dir(root, {"rollouts/run_id=r/.part-0.parquet.c3d4.tmp": b"P"}) / \
-        "rollouts/run_id=r/.part-0.parquet.c3d4.tmp"
+    stale_tmp = make_dir(root, {"leases/.x.json.a1b2c3d4.tmp": b"{"}) / "leases/.x.json.a1b2c3d4.tmp"
+    live_tmp = make_dir(root, {"rollouts/run_id=r/.part-0.parquet.c3d4e_f6.tmp": b"P"}) / \
+        "rollouts/run_id=r/.part-0.parquet.c3d4e_f6.tmp"
+    foreign_tmp = make_dir(root, {"notes/.draft.tmp": b"another tool's"}) / "notes/.draft.tmp"  # not mkstemp's shape
     stale_partial = make_dir(cache / "model/m/.0123456789abcdef.partial-x1", {"a/w.bin": b"w"})
     live_partial = make_dir(cache / "model/m/.fedcba9876543210.partial-x2", {"a/w.bin": b"w", "b.bin": b"b"})
-    for path in (stale_tmp, stale_partial, live_partial, root / "artifacts", root / "leases/x.json"):
+    for path in (stale_tmp, foreign_tmp, stale_partial, live_partial, root / "artifacts", root / "leases/x.json"):
         age(path, GC_MIN_AGE_S + 60)
     age(live_tmp, GC_MIN_AGE_S - 60)
     age(live_partial / "b.bin", GC_MIN_AGE_S - 60)  # a download still writing its second file
@@ -76,6 +77,7 @@ def test_only_stale_temp_files_and_partial_downloads_go(tmp_path):
     assert sorted(report.temp_files) == sorted([str(stale_tmp), str(stale_partial)])
     assert (report.leftovers, report.corrupt, report.num_fresh_temp, report.num_removed) == ([], [], 2, 2)
     assert not stale_tmp.exists() and not stale_partial.exists() and live_tmp.exists() and live_partial.exists()
+    assert foreign_tmp.exists()
     assert store.read_bytes("leases/x.json") == b"{}" and store.verify(ref).ref == ref
 
 
