@@ -79,16 +79,18 @@ def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoin
            tracker: Tracker) -> RLResult:
     """Train with RL from `model_dir` on `data_dir`/{train,validation}.parquet; -> the final checkpoint's ref."""
     started_ray = init_ray(cfg.ray)
-    with driver_threads():
-        trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
-        try:
+    trainer = None
+    try:
+        with driver_threads():
+            trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
             metrics = trainer.fit()
-        finally:
+    finally:
+        if trainer:
             trainer.close()
-            if started_ray:
-                import ray
+        if started_ray:
+            import ray
 
-                ray.shutdown()
+            ray.shutdown()
     ref = checkpoints.at_step(trainer.step)
     if ref is None:  # fit() saves the last step (or resumed from its checkpoint), so `checkpoints` dropped it
         raise RuntimeError(f"rl: no checkpoint of the final step {trainer.step} after training; "
@@ -146,15 +148,16 @@ class RLTrainer:
             self.engines = self._start_rollout_workers(model_dir) if cfg.ray.num_rollout_workers else self.actor
             self.critic = WorkerGroup(CriticWorker, cfg, model_dir, self.placement) if self.rl.uses_critic else None
             self.reward_model = RewardModel(cfg, self.placement) if use_rm else None
-        except BaseException:
+            self.automatic = self._automatic_settings()
+            self.gen = RolloutDriver(cfg, self.tokenizer, self.train, self.engines, self.reward_model, tools,
+                                     interactions)
+        except BaseException:  # a reward pool that fails to start, Ctrl-C
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
-        self.automatic = self._automatic_settings()
         ignored = self.rl.async_training.ignored_fields(bool(cfg.ray.num_rollout_workers))
         if ignored:
             logger.warning("rl: %s not used by rl.async_training.mode=%s%s", ", ".join(ignored),
                            self.rl.async_training.mode, "" if cfg.ray.num_rollout_workers else " (colocated)")
-        self.gen = RolloutDriver(cfg, self.tokenizer, self.train, self.engines, self.reward_model, tools, interactions)
         self.schedule: AsyncSchedule | None = None  # rollout workers of their own: the asynchronous modes
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
