@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from data.reading import BadRow, Location, Row, column_names, data_files, read_rows, split_files
+from data.reading import BadRow, Row, column_names, data_files, read_rows, split_files
 from infra.config import ColumnMapping, DataConfig
 
 logger = logging.getLogger(__name__)

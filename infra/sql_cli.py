@@ -18,7 +18,8 @@ from decimal import Decimal
 import duckdb
 
 import infra.sql
-from infra.sql import READS, check_read, read
+from infra.sql import read
+from infra.sql_read_only import READS, check_read
 from infra.store import ArtifactStore, StoreError
 
 FORMATS = ("table", "csv", "json")

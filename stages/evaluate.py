@@ -198,7 +198,7 @@ def _samples(rollout: Rollout, prompts, rows: list[int], params: SamplingParams,
              "ground_truth": str(prompts.ground_truths[t.prompt_index]), "score": score, "acc": acc, "pred": pred,
              "reward_error": error, "finish_reason": t.finish_reason, "response_length": sum(t.response_mask)}
             for t, score, acc, pred, error in zip(trajectories, scored.result.scores, accs, scored.result.preds,
-                                                  scored.result.errors)]
+                                                  scored.result.errors, strict=True)]
 
 
 def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[str, dict[str, float]], dict[str, int]]:

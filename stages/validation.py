@@ -79,7 +79,7 @@ def validation_samples(rollout: Rollout, prompts: PromptSet, rows: list[int], pa
              "acc": acc, "pred": pred, "response": t.text,
              "ground_truth": str(prompts.ground_truths[rows[t.prompt_index]]),
              "num_response_tokens": sum(t.response_mask), "finish_reason": t.finish_reason}
-            for t, s, acc, pred in zip(trajectories, result.scores, accs, result.preds)]
+            for t, s, acc, pred in zip(trajectories, result.scores, accs, result.preds, strict=True)]
 
 
 def start_summary(num_prompts: int, metrics: dict[str, float], n: int, temperature: float) -> tuple[str, float]:

@@ -1,6 +1,6 @@
 """The worker side of the reward pool (stages/rewards/pool.py): load the reward function, then score the chunks the
-parent sends, one result tuple per sample, `(index, score, components, error, dropped_keys, traceback)`; never
-raises for the user's code. Runs in the pool's forkserver processes.
+parent sends, one result tuple per sample, `(index, score, components, error, dropped_keys, traceback, pred)`;
+never raises for the user's code. Runs in the pool's forkserver processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from stages.rewards import default_compute_score
 from stages.rewards.custom import load_reward_fn
 
 TRACEBACK_CHARS = 8000  # of a scorer's traceback, its end kept: the innermost frames and the error
-
 
 
 def _load_fn(custom_path: str | None, custom_function: str, math_scorer: str):
