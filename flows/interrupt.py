@@ -80,9 +80,13 @@ def _interrupted_while_starting(_signum: int, _frame) -> None:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command line that resumes the run started with `argv` (this process's arguments after the module):
-    `make demo ARGS=...` under make's demo target, else the interpreter as invoked and `-m flows.post_train`."""
-    args = [a for a in argv if a != REFRESH]
+    """The command line that resumes the run started with `argv` (this process's arguments after the module)."""
+    return command_line([a for a in argv if a != REFRESH])
+
+
+def command_line(args: list[str]) -> str:
+    """The command that runs the flow with `args` as this one was run: `make demo ARGS=...` under make's demo
+    target, else the interpreter as invoked and `-m flows.post_train`."""
     if os.environ.get("MAKELEVEL") and args[:1] == ["recipes/demo.yaml"]:
         rest = shlex.join(args[1:])
         return "make demo" + (f" ARGS={shlex.quote(rest)}" if rest else "")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shlex
 import signal
 import sys
 import time
@@ -189,7 +188,7 @@ def check_verl_keys_placed(argv: list[str], overrides: list[str]) -> None:
     fixed = [a for a in argv if a not in misplaced] + ([] if "--verl" in argv else ["--verl"]) + misplaced
     raise ConfigError(f"{', '.join(misplaced)}: verl's {'key' if len(misplaced) == 1 else 'keys'}, not this "
                       "project's; give verl's overrides after --verl, which maps them onto this project's keys (README "
-                      f"'From verl'):\n  {shlex.join([sys.orig_argv[0], '-m', 'flows.post_train', *fixed])}")
+                      f"'From verl'):\n  {interrupt.command_line(fixed)}")
 
 
 def verl_only(key: str) -> bool:

@@ -317,7 +317,7 @@ def test_one_of_our_keys_after_verl_says_where_it_goes():
         translate(None, [], ["data.train_batch_size=64", "rl.total_steps=2"])
 
 
-def test_a_verl_key_before_verl_says_to_give_it_after(capsys, tmp_path):
+def test_a_verl_key_before_verl_says_to_give_it_after(capsys, tmp_path, monkeypatch):
     """The reverse of the test above, on the command line: not 'unknown key actor_rollout_ref; allowed here: data,
     evaluate, ...', but that it is verl's, and the command line with it after --verl (exit code 2, nothing run)."""
     import shlex
@@ -325,6 +325,7 @@ def test_a_verl_key_before_verl_says_to_give_it_after(capsys, tmp_path):
 
     from flows.post_train import main
 
+    monkeypatch.delenv("MAKELEVEL", raising=False)  # `make test`: the command shown is python's, not `make demo`'s
     out = f"run.output_dir={tmp_path / 'out'}"
     assert main(["recipes/demo.yaml", A + "optim.lr=1e-6", out, "--verbose"]) == 2
     err = capsys.readouterr().err
@@ -332,6 +333,9 @@ def test_a_verl_key_before_verl_says_to_give_it_after(capsys, tmp_path):
                         A + "optim.lr=1e-6"])
     assert err == (f"error: {A}optim.lr=1e-6: verl's key, not this project's; give verl's overrides after --verl, "
                    f"which maps them onto this project's keys (README 'From verl'):\n  {fixed}\n")
+    monkeypatch.setenv("MAKELEVEL", "1")  # under `make demo ARGS=...`: the fixed command is make's
+    assert main(["recipes/demo.yaml", A + "optim.lr=1e-6", "--verbose"]) == 2
+    assert capsys.readouterr().err.endswith(f"\n  make demo ARGS='--verbose --verl {A}optim.lr=1e-6'\n")
     # Hydra's +key, a key under a section only verl has, one of verl's keys in a section we share; next to --verl
     assert main(["+trainer.total_epochs=2", "critic.nope=1", "data.train_files=x.parquet", "data.max_prompt_length=64",
                  "--verl", R + "n=4"]) == 2
