@@ -372,7 +372,8 @@ class ToolAgentLoop(AgentLoop):
                 answers.append(self._record_answer(ctx, state, next(results), start))
             else:
                 answers.append(self._record_refusal(
-                    state, f"error: at most {opts.max_parallel_calls} tool calls per turn; {item.name!r} was not run"))
+                    state, f"error: at most {opts.max_parallel_calls} tool calls per turn; {item.name!r} was not run",
+                    item))
         return answers
 
     def _record_answer(self, ctx: LoopContext, state: _State, result: ToolCallResult, start: float) -> str:
@@ -390,8 +391,8 @@ class ToolAgentLoop(AgentLoop):
         return text
 
     @staticmethod
-    def _record_refusal(state: _State, text: str) -> str:
-        """Record the turn of a call that did not run (malformed, or beyond max_parallel_calls); -> `text`."""
-        state.turns.append({"role": "tool", "tool_name": None, "arguments": None, "text": text, "error": True,
-                            "timeout": False, "latency_s": 0.0})
+    def _record_refusal(state: _State, text: str, call: ToolCall | None = None) -> str:
+        """Record the turn of a call that did not run (malformed: no `call`; or past max_parallel_calls); -> `text`."""
+        state.turns.append({"role": "tool", "tool_name": call and call.name, "arguments": call and call.arguments,
+                            "text": text, "error": True, "timeout": False, "latency_s": 0.0})
         return text

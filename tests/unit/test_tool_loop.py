@@ -264,6 +264,8 @@ def test_answers_come_back_in_call_order(tokenizer):
     assert answers[1].startswith("error: tool call 2: invalid JSON")
     assert answers[2] == "5"  # 2+3
     assert answers[3] == "error: at most 2 tool calls per turn; 'calculator' was not run"
+    refused = [r for r in t.turns if r["role"] == "tool"][3]  # the name and arguments of the call not run
+    assert refused["tool_name"] == "calculator" and refused["arguments"] == {"expression": "4*4"}
     assert t.metrics["tool/calls"] == 2 and t.metrics["tool/parse_errors"] == 1
     # the tokens the model reads next hold the same four answers in the same order
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
