@@ -37,13 +37,20 @@ from stages.tools.base import BaseTool, ToolCall, ToolFunction, ToolResponse, To
 from stages.tools.calculator import CalculatorTool, calculate
 from stages.tools.calls import ToolCallResult, ToolMetrics, call_tool, run_tool_call
 from stages.tools.functions import FunctionTool, function_tool
-from stages.tools.parsers import TOOL_PARSERS, assistant_message, parse_tool_calls, tool_messages
+from stages.tools.parsers import (
+    TOOL_PARSERS,
+    ParseError,
+    assistant_message,
+    in_call_order,
+    parse_tool_calls,
+    tool_messages,
+)
 from stages.tools.registry import load_tools
 from stages.tools.sandbox import PythonTool, SandboxConfig
 
 __all__ = [
-    "TOOL_PARSERS", "BaseTool", "CalculatorTool", "FunctionTool", "PythonTool", "SandboxConfig", "ToolCall",
-    "ToolCallResult", "ToolFunction", "ToolMetrics", "ToolResponse", "ToolSchema", "assistant_message",
-    "calculate", "call_tool", "function_tool", "load_tools", "parse_tool_calls", "run_tool_call", "tool_messages",
-    "validate_arguments",
+    "TOOL_PARSERS", "BaseTool", "CalculatorTool", "FunctionTool", "ParseError", "PythonTool", "SandboxConfig",
+    "ToolCall", "ToolCallResult", "ToolFunction", "ToolMetrics", "ToolResponse", "ToolSchema", "assistant_message",
+    "calculate", "call_tool", "function_tool", "in_call_order", "load_tools", "parse_tool_calls", "run_tool_call",
+    "tool_messages", "validate_arguments",
 ]
