@@ -26,12 +26,20 @@ def is_temp_name(filename: str) -> bool:
     return _TEMP_NAME.match(filename) is not None
 
 
-def _temp_file(path: Path) -> tuple[int, str]:
-    """A temp file beside `path` with the mode a plain open() would give it: mkstemp makes it 0600, and the table
-    files, reports and configs renamed from it must be as readable as the artifacts beside them (shared stores)."""
+def _temp_file(path: Path, data: bytes) -> str:
+    """A complete temp file of `data` beside `path` (its parents made), with the mode a plain open() would give it:
+    mkstemp makes it 0600, and the table files, reports and configs renamed from it must be as readable as the
+    artifacts beside them (shared stores). Nothing is left behind when writing fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~_UMASK)
-    return fd, tmp
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _process_umask() -> int:
@@ -61,11 +69,8 @@ class TableFiles:
             with self._errors(f"writing {relpath}"):
                 self.fs.pipe_file(path, data)
             return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _temp_file(Path(path))
+        tmp = _temp_file(Path(path), data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -89,11 +94,8 @@ class TableFiles:
                 return False
             self.fs.pipe_file(path, data)
             return True
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _temp_file(Path(path))
+        tmp = _temp_file(Path(path), data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
             os.link(tmp, path)
             return True
         except FileExistsError:
