@@ -48,9 +48,10 @@ class LoopContext:
 
     def decode_for_parsing(self, ids: list[int]) -> str:
         """`ids` decoded with special tokens kept, for tool-call parsing: a tokenizer may make the call markers
-        (`<tool_call>`) special tokens, which `decode` drops. The tokens that end or pad a turn (eos, pad,
-        `params.stop_token_ids`) are left out first: they are no part of what the model wrote."""
-        ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, *self.params.stop_token_ids}
+        (`<tool_call>`) special tokens, which `decode` drops. The eos and pad tokens are left out first: they are
+        no part of what the model wrote. Other `params.stop_token_ids` stay, since a loop may stop a turn at the
+        call's closing marker (`</tool_call>`), which the parser needs."""
+        ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
         return self.tokenizer.decode([i for i in ids if i not in ends], skip_special_tokens=False)
 
     def decode_all(self, sequences: list[list[int]]) -> list[str]:

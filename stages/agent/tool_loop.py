@@ -15,7 +15,7 @@ wrote the calls (as verl's and OpenAI's tool messages are), whether the answer i
 refusal. Tool answers are cut to `max_tool_response_length` characters on `tool_response_truncate_side`.
 
 Calls are parsed from the turn decoded with special tokens kept (a tokenizer may make `<tool_call>` a special
-token; verl's tool parsers decode the same way) but without the tokens that end or pad a turn
+token; verl's tool parsers decode the same way) but without the eos and pad tokens
 (`LoopContext.decode_for_parsing`). The text the loop stores (the reward's `Trajectory.text`, the turn records,
 the interaction's messages) is the decode without special tokens, as single_turn's and verl's reward text is.
 

@@ -17,6 +17,7 @@ from stages.model.loading import load_tokenizer, tool_turn_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.tools.base import BaseTool, ToolResponse, ToolSchema
 from stages.tools.calculator import CalculatorTool
+from stages.tools.parsers import parse_tool_calls
 from stages.tools.functions import function_tool
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -290,6 +291,19 @@ def test_calls_marked_by_special_tokens_parse(tiny_model_dir):
     ctx = LoopContext(None, special, SamplingParams())
     turn_ids = special(CALL % "12*7", add_special_tokens=False)["input_ids"]
     assert ctx.decode_for_parsing(turn_ids + [special.eos_token_id, special.pad_token_id]) == CALL % "12*7"
+
+
+def test_a_turn_stopped_at_the_closing_marker_parses(tiny_model_dir):
+    """A loop whose params stop a turn at `</tool_call>` (a special token) gets the marker as the turn's last id:
+    the parser must still see it, or the call reads as unclosed."""
+    special = load_tokenizer(tiny_model_dir)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    close = special.convert_tokens_to_ids("</tool_call>")
+    ctx = LoopContext(None, special, SamplingParams(stop_token_ids=(special.eos_token_id, close)))
+    turn_ids = special(CALL % "12*7", add_special_tokens=False)["input_ids"]
+    assert turn_ids[-1] == close
+    _, calls, errors = parse_tool_calls(ctx.decode_for_parsing(turn_ids), "hermes")
+    assert not errors and [c.name for c in calls] == ["calculator"]
 
 
 class Counted(BaseTool):
