@@ -4,10 +4,12 @@ Prompts are left-padded into batches of `batch_size`; each prompt's `n` samples 
 `num_return_sequences`. A sample ends at the first stop token (kept in the response) or at max_tokens.
 Decoding follows `SamplingParams` alone, as vLLM's and the cuda engine's: the model folder's
 generation_config.json (a repetition penalty, a minimum length, suppressed tokens) does not apply.
+Calls from several threads run one at a time: the model's generation_config is swapped for each call.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 
@@ -23,15 +25,17 @@ class HFRolloutEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.batch_size = batch_size
+        self._lock = threading.Lock()  # one generate at a time: each swaps the model's generation_config
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         outputs: list[RolloutOutput] = []
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        for start in range(0, len(prompt_ids), self.batch_size):
-            chunk = prompt_ids[start : start + self.batch_size]
-            outputs.extend(self._generate_batch(chunk, params, start))
+        with self._lock, self._plain_generation_config():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(prompt_ids), self.batch_size):
+                chunk = prompt_ids[start : start + self.batch_size]
+                outputs.extend(self._generate_batch(chunk, params, start))
         return outputs
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, offset: int) -> list[RolloutOutput]:
@@ -47,19 +51,18 @@ class HFRolloutEngine:
             "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else None,
         }
-        with self._plain_generation_config():
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                do_sample=not params.greedy,
-                num_return_sequences=params.n,
-                max_new_tokens=params.max_tokens,
-                eos_token_id=stop_ids,
-                pad_token_id=self.pad_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
-                **sampling,
-            )
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            do_sample=not params.greedy,
+            num_return_sequences=params.n,
+            max_new_tokens=params.max_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
         new_tokens = out.sequences[:, width:].cpu()  # (B*n, L)
         logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, L, V)
         logprobs = torch.log_softmax(logits / params.logprob_temperature, dim=-1)

@@ -35,3 +35,20 @@ def test_greedy_ignores_the_models_generation_config():
     assert [o.response_ids for o in outputs] == [argmax_decode(model, p, 6) for p in batch]
     assert model.generation_config.repetition_penalty == 2.0  # the model's own file is left as it was
 
+
+
+def test_calls_from_threads_leave_the_models_generation_config():
+    """Each call swaps the model's generation_config for the library defaults. Two calls interleaved without the
+    engine's lock restored each other's swap: the model kept the defaults, and its own settings were lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_model()
+    model.generation_config.repetition_penalty = 2.0
+    engine = HFRolloutEngine(model, PAD, EOS)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=4, stop_token_ids=(EOS,))
+    batch = prompts(2)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: engine.generate(batch, greedy), range(32)))
+    assert model.generation_config.repetition_penalty == 2.0
+    expected = [argmax_decode(model, p, 4) for p in batch]
+    assert all([o.response_ids for o in outputs] == expected for outputs in results)
