@@ -67,10 +67,9 @@ CHUNK_BYTES = 65536
 KILL_WAIT_S = 5.0  # after SIGKILL a process is gone at once unless stuck in the kernel
 DISK_POLL_S = 0.1
 _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n?```\s*$", re.DOTALL)
-# the slot semaphores the running code holds: a context variable, so a task started under `async with slot()`
-# (asyncio.wait_for's, gather's) holds it too, and other tasks do not
-_HELD_SLOTS: contextvars.ContextVar[tuple[asyncio.Semaphore, ...]] = contextvars.ContextVar("sandbox_slots",
-                                                                                              default=())
+# the slots the running code is inside: a context variable, so a task started under `async with slot()`
+# (asyncio.wait_for's, gather's) holds it too while it is held, and other tasks do not
+_HELD_SLOTS: contextvars.ContextVar[tuple[Slot, ...]] = contextvars.ContextVar("sandbox_slots", default=())
 
 
 class SandboxConfig(BaseModel):
@@ -202,7 +201,8 @@ class Sandbox:
 
     def holds_slot(self) -> bool:
         """Whether the running code is inside `async with slot()` of this sandbox (in this event loop)."""
-        return self._semaphore() in _HELD_SLOTS.get()
+        semaphore = self._semaphore()
+        return any(slot.held and slot.semaphore is semaphore for slot in _HELD_SLOTS.get())
 
     async def run(self, code: str) -> SandboxResult:
         """Run `code` in a fresh process and work dir; waits for a slot when `max_concurrent` are running, unless
@@ -283,21 +283,25 @@ class Sandbox:
 
 
 class Slot:
-    """`async with`: wait for the semaphore, and mark it held for the code inside (`Sandbox.holds_slot`)."""
+    """`async with`: wait for the semaphore, and mark it held for the code inside (`Sandbox.holds_slot`). A task
+    started inside that outlives the block sees the slot as no longer held (`held` is False), and waits for one."""
 
     def __init__(self, semaphore: asyncio.Semaphore):
-        self._semaphore = semaphore
+        self.semaphore = semaphore
+        self.held = False
         self._token: contextvars.Token | None = None
 
     async def __aenter__(self) -> Slot:
-        await self._semaphore.acquire()
-        self._token = _HELD_SLOTS.set((*_HELD_SLOTS.get(), self._semaphore))
+        await self.semaphore.acquire()
+        self.held = True
+        self._token = _HELD_SLOTS.set((*_HELD_SLOTS.get(), self))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         assert self._token is not None, "Slot exited without being entered"
+        self.held = False
         _HELD_SLOTS.reset(self._token)
-        self._semaphore.release()
+        self.semaphore.release()
 
 
 def _tree_bytes(root: Path) -> int:

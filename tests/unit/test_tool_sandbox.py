@@ -270,6 +270,28 @@ def test_run_tool_call_with_one_slot_does_not_take_it_twice():
     assert [(r.text, r.metrics["error"]) for r in asyncio.run(twice())] == [("42\n", 0.0)] * 2
 
 
+def test_a_task_outliving_its_slot_waits_for_one():
+    """A task started inside `async with slot()` inherits the held mark; once the block ends it no longer holds
+    the slot, so it must wait for one (it used to run beside the next holder, past max_concurrent)."""
+    sandbox = Sandbox(SandboxConfig(max_concurrent=1))
+
+    async def scenario():
+        async with sandbox.slot():
+            assert sandbox.holds_slot()
+            inherited = asyncio.Event()
+
+            async def child():
+                inherited.set()
+                await asyncio.sleep(0.05)  # the parent leaves the block meanwhile
+                return sandbox.holds_slot()
+
+            task = asyncio.create_task(child())
+            await inherited.wait()
+        return await task, sandbox.holds_slot()
+
+    assert asyncio.run(scenario()) == (False, False)
+
+
 def test_python_tool_through_run_tool_call():
     tool = PythonTool({"timeout_s": 0.5})
     assert tool.name == "python" and tool.sandbox.config.timeout_s == 0.5
