@@ -14,6 +14,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from infra import prefect_env  # noqa: E402  (the rest of Prefect's defaults, before a test module imports prefect)
+
+prefect_env.configure()
 
 import socket
 import uuid
