@@ -3,13 +3,19 @@
 Input: an RL checkpoint (`checkpoint/rl-<key>`, the actor's state read through
 `stages.model.fsdp.read_checkpoint_model_state`, however many shards wrote it) or an SFT checkpoint
 (`checkpoint/sft-<key>`, `train_state.pt`). Output: safetensors weights with LoRA merged into the base
-weights (W + alpha / r * B @ A), config.json in the checkpoint's dtype, and the base model's tokenizer
-(with its chat template) and generation config: a folder that transformers and vLLM load as is.
+weights (W + alpha / r * B @ A), config.json, and the base model's tokenizer (with its chat template) and
+generation config: a folder that transformers and vLLM load as is.
 
 What a checkpoint does not hold comes from its manifest: the base model from its lineage inputs
-(`init_model` for RL, `base_model` for SFT) and LoRA's alpha from `metadata.model_config.lora` (the
-pipeline's tasks write both); r is read from the adapter tensors. Both can be given by hand for a
-checkpoint saved without them. A checkpoint with adapters and no alpha is an error, never a silent drop.
+(`init_model` for RL, `base_model` for SFT), LoRA's alpha from `metadata.model_config.lora` and the run's
+`model.dtype` from `metadata.model_config.dtype` (the pipeline's tasks write all three); r is read from the adapter
+tensors. The base model and alpha can be given by hand for a checkpoint saved without them. A checkpoint with
+adapters and no alpha is an error, never a silent drop.
+
+Dtype: checkpoints hold fp32 master weights whatever `model.dtype` is; the merge (LoRA included) runs in the
+checkpoint's dtype and the result is cast to the run's `model.dtype`, as SFT's own export writes it (a bf16 7B
+model is 15 GB, not 30), with config.json's dtype the tensors' own. A manifest without a dtype (written before it
+was recorded, or by hand) keeps the checkpoint's dtype, with a warning saying so.
 
 The weights are written by transformers' `save_pretrained(state_dict=...)` from a model built on the meta
 device: no second copy of the weights is allocated, shards and tied embeddings are handled as transformers
@@ -61,6 +67,7 @@ class MergeSource:
     base_dir: str  # where transformers reads it: a local folder or a hub id
     lora_alpha: float | None
     trust_remote_code: bool
+    dtype: str | None = None  # the run's model.dtype, which the merged weights are cast to; None: the checkpoint's
 
 
 @dataclass
@@ -115,7 +122,8 @@ def merge_source(store: ArtifactStore, ref: ArtifactRef, base_model: str | None 
         lora_alpha = float(model_cfg["lora"]["alpha"])
     return MergeSource(checkpoint=ref, step=int(manifest.metadata.get("step", -1)), folder=store.get_dir(ref),
                        base_model=base_model, base_dir=_local_model(store, base_model), lora_alpha=lora_alpha,
-                       trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+                       trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+                       dtype=model_cfg.get("dtype"))
 
 
 def _local_model(store: ArtifactStore, model: str) -> str:
@@ -159,6 +167,23 @@ def hf_state(state: dict[str, torch.Tensor], lora_alpha: float | None) -> tuple[
     return hf_weights(state, lora_alpha / rank), rank
 
 
+def cast_state(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """The floating tensors of state cast to dtype (a ModelConfig.dtype name). Empties state as it goes, so each
+    fp32 tensor is freed once cast when state held the only reference (never two full copies). Names sharing one
+    tensor (tied embeddings) share its cast too, so that save_pretrained still writes it once."""
+    from stages.model.loading import DTYPES
+
+    target, cast, done = DTYPES[dtype], {}, {}
+    for name in list(state):
+        value = state.pop(name)
+        # keyed by the memory it views: a tensor popped and freed shares no address with one still in state
+        view = (value.data_ptr(), tuple(value.shape), value.stride())
+        if view not in done:
+            done[view] = value.to(target) if value.is_floating_point() else value
+        cast[name] = done[view]
+    return cast
+
+
 def write_hf_folder(state: dict[str, torch.Tensor], base_dir: str, out_dir: Path,
                     trust_remote_code: bool = False) -> Path:
     """Save `state` (HF names) with the base model's config, tokenizer and generation config to out_dir."""
@@ -198,6 +223,11 @@ def _check_names(state: dict[str, torch.Tensor], expected: set[str], tied: bool)
 def merge_checkpoint(source: MergeSource, out_dir: Path) -> MergeResult:
     """Write the merged HF folder of `source` to out_dir."""
     state, rank = hf_state(read_model_state(source.folder), source.lora_alpha)
+    if source.dtype is None:
+        logger.warning("%s: its manifest records no model dtype (metadata.model_config.dtype); writing the "
+                       "checkpoint's own dtype", source.checkpoint)
+    else:
+        state = cast_state(state, source.dtype)
     write_hf_folder(state, source.base_dir, out_dir, source.trust_remote_code)
     dtype = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix("torch.")
     logger.info("merged %s (step %d%s) with %s -> %s", source.checkpoint, source.step,

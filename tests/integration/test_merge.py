@@ -229,14 +229,16 @@ def test_command_line_merges_a_checkpoint_into_a_folder_and_the_store(full, prob
     assert again.returncode == 2 and "not an empty folder" in again.stderr
 
 
-def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp_path):
-    """An intermediate SFT checkpoint (plain torch state with peft names) merges to what peft's own
-    merge_and_unload makes of the same state."""
-    from stages.model.loading import load_model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp_path, dtype):
+    """An intermediate SFT checkpoint (plain torch state with peft names, fp32 master weights whatever model.dtype
+    is) merges to what peft's own merge_and_unload makes of the same state in fp32, cast to the run's model.dtype;
+    config.json says that dtype."""
+    from stages.model.loading import DTYPES, load_model
     from stages.sft import CHECKPOINT_FILE, run_sft
 
     cfg = load_config(None, TINY_OVERRIDES + ["model.lora.rank=4", "model.lora.alpha=8", "sft.optim.lr=1e-2",
-                                              "sft.save_freq=4"])  # 8 steps: a checkpoint at step 4
+                                              "sft.save_freq=4", f"model.dtype={dtype}"])  # 8 steps: one at step 4
     store = ArtifactStore(str(tmp_path / "store"))
     checkpoints = StoreCheckpoints(store, "sft-test", 2, {"base_model": str(tiny_model_dir)},
                                    checkpoint_metadata(cfg.model))
@@ -244,21 +246,70 @@ def test_sft_lora_checkpoint_merges_like_peft(tiny_model_dir, tiny_data_dir, tmp
     ref = resolve_checkpoint(store, "sft-test")
     source = merge_source(store, ref)
     assert source.step == 4 and source.base_model == str(tiny_model_dir) and source.lora_alpha == 8.0
+    assert source.dtype == dtype  # from the checkpoint manifest's model config
     merged = merge_checkpoint(source, tmp_path / "merged")
-    assert merged.lora_rank == 4
+    assert merged.lora_rank == 4 and merged.dtype == dtype
 
-    from transformers import AutoModelForCausalLM
-
-    peft_model = load_model(tiny_model_dir, cfg.model)  # the same peft wrapping SFT trained
+    fp32 = cfg.model.model_copy(update={"dtype": "float32"})
+    peft_model = load_model(tiny_model_dir, fp32)  # the same peft wrapping SFT trained, in the checkpoint's fp32
     peft_model.load_state_dict(torch.load(store.get_dir(ref) / CHECKPOINT_FILE, weights_only=True)["model"])
-    reference = peft_model.merge_and_unload().eval()
-    ours = AutoModelForCausalLM.from_pretrained(merged.out_dir, dtype=torch.float32).eval()
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    reference = cast_model(peft_model.merge_and_unload().eval(), dtype)
+    ours, weights = plain_model(merged.out_dir), load_state_dict_of(merged.out_dir)
+    assert {v.dtype for v in weights.values()} == {DTYPES[dtype]}
+    assert json.loads((merged.out_dir / "config.json").read_text())["dtype"] == dtype
+    for name, value in weights.items():  # fp32: both compute W + s BA, within float32 rounding; bf16: that rounding
+        # can move a cast across a rounding boundary, by one bf16 ulp (<= 2^-7 of the value)
+        torch.testing.assert_close(value, reference.state_dict()[name].to(value.dtype), rtol=WEIGHT_RTOL[dtype],
+                                   atol=1e-7, msg=name)
+    base = cast_model(plain_model(tiny_model_dir), dtype)
     ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, expected, before = ours(ids).logits, reference(ids).logits, base(ids).logits
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)  # logits <= 2: float32 rounding of W + s BA
+    torch.testing.assert_close(logits, expected, rtol=0, atol=LOGIT_ATOL[dtype])
     assert (logits - before).abs().max() > 1e-2  # the adapters were trained and merged
+
+
+# fp32: float32 rounding of W + s B A (weights ~0.02); bf16: one ulp, the largest step of a rounding that flips
+WEIGHT_RTOL = {"float32": 1e-6, "bfloat16": 2**-7}
+# fp32: logits <= 2, float32 rounding of W + s BA; bf16: the few weights one ulp apart moved logits by up to 6.4e-5
+# (measured), 1e-3 leaves a margin and stays 10x below the change training made (asserted > 1e-2)
+LOGIT_ATOL = {"float32": 1e-5, "bfloat16": 1e-3}
+
+
+def plain_model(folder: Path):
+    """A model folder loaded in float32 (a bf16 one: each weight exactly, widened)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def cast_model(model, dtype: str):
+    """model's weights rounded to dtype, computing in float32 as plain_model does: the reference a merged folder
+    of that dtype is compared with."""
+    from stages.model.loading import DTYPES
+
+    return model.to(DTYPES[dtype]).to(torch.float32)
+
+
+def test_a_manifest_without_a_dtype_keeps_the_checkpoint_dtype_and_says_so(tiny_model_dir, tiny_data_dir, tmp_path,
+                                                                            caplog):
+    """A bf16 run's checkpoint whose manifest records no dtype (written before it was recorded, or by hand): the
+    merge cannot know the run's dtype, keeps the checkpoint's fp32 and says so."""
+    from stages.sft import run_sft
+
+    cfg = load_config(None, TINY_OVERRIDES + ["sft.save_freq=4", "model.dtype=bfloat16"])
+    metadata = checkpoint_metadata(cfg.model)
+    del metadata["model_config"]["dtype"]
+    store = ArtifactStore(str(tmp_path / "store"))
+    checkpoints = StoreCheckpoints(store, "sft-test", 2, {"base_model": str(tiny_model_dir)}, metadata)
+    run_sft(cfg, tiny_model_dir, tiny_data_dir, tmp_path / "final", checkpoints, Tracker([]))
+    source = merge_source(store, resolve_checkpoint(store, "sft-test"))
+    assert source.dtype is None
+    with caplog.at_level("WARNING", logger="stages.merge"):
+        result = merge_checkpoint(source, tmp_path / "merged")
+    assert result.dtype == "float32" and "records no model dtype" in caplog.text
+    assert {v.dtype for v in load_state_dict_of(result.out_dir).values()} == {torch.float32}
+    assert json.loads((result.out_dir / "config.json").read_text())["dtype"] == "float32"
 
 
 def test_an_offloaded_sft_checkpoint_merges_as_the_plain_one(tiny_model_dir, tiny_data_dir, tmp_path):
