@@ -22,7 +22,8 @@ manifest exists and is valid.
   same content overwrites and commits it. If a valid manifest of the version exists after the failure (another
   writer stored the same content meanwhile), the version is complete: it is kept and the put succeeds, as on a
   local store; if the store cannot say, nothing is removed. ``gc()`` removes staging folders and manifest-less
-  version folders; run it only when no write is in progress (it cannot tell a crashed write from a running one).
+  version folders once untouched for an hour (their newest file's mtime: a write in progress adds files all the
+  time, so gc is safe while flows write); ``gc(now=True)`` removes them at once, for when nothing writes.
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT. ``gc()`` removes a temp file
   (or a partial download into the cache) left by a killed process once it is untouched for an hour (GcReport).
 

@@ -1,7 +1,7 @@
 """The store's command line, ``python -m infra.store [--root R] [--endpoint-url U] COMMAND`` (infra/store.py runs
 ``main``): list, versions, show (manifest and lineage), verify (every byte against the manifests), delete (one
-version, corrupt or not), gc (leftovers of crashed writes, stale temp files; versions with a corrupt manifest
-with --corrupt). See infra/store.py for what the store guarantees.
+version, corrupt or not), gc (leftovers of crashed writes and temp files untouched for an hour, or at once with
+--now; versions with a corrupt manifest with --corrupt). See infra/store.py for what the store guarantees.
 
 Exit status: 0; 1 when verify finds a corrupt version or the storage fails; 2 for bad input: a root, artifact, kind
 or version that is not in the store (the message names it and the command that lists what is) or a malformed name.
@@ -22,7 +22,7 @@ from infra.store import ArtifactStore, CorruptArtifactError, StoreError
 
 def main(argv: list[str] | None = None) -> None:
     """python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions K/N | show K/N@V |
-    verify [K/N[@V]] | delete K/N@V | gc [--corrupt]"""
+    verify [K/N[@V]] | delete K/N@V | gc [--corrupt] [--now]"""
     from infra.config import StorageConfig
 
     default = StorageConfig()
@@ -39,10 +39,13 @@ def main(argv: list[str] | None = None) -> None:
         "target", nargs="?", metavar="KIND/NAME[@VERSION]")
     sub.add_parser("delete", help="remove one version, also a corrupt one (how to repair what verify reports)"
                    ).add_argument("ref", metavar="KIND/NAME@VERSION")
-    sub.add_parser("gc", help="remove leftovers of crashed writes, and temp files and partial downloads untouched "
-                   "for an hour; list versions with a corrupt manifest").add_argument(
-        "--corrupt", action="store_true", help="also remove the versions with a corrupt manifest (no reader loads "
-        "them, but their files may be worth saving by hand first)")
+    gc = sub.add_parser("gc", help="remove leftovers of crashed writes (staging and manifest-less version folders), "
+                        "temp files and partial downloads, each once untouched for an hour (safe while flows write); "
+                        "list versions with a corrupt manifest")
+    gc.add_argument("--corrupt", action="store_true", help="also remove the versions with a corrupt manifest (no "
+                    "reader loads them, but their files may be worth saving by hand first)")
+    gc.add_argument("--now", action="store_true", help="remove those leftovers whatever their age: only while no flow "
+                    "or other process writes to the store (a write in progress looks the same)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")  # skipped versions are named
     try:
@@ -78,7 +81,7 @@ def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
             store.delete(ref)
         print(f"deleted {args.ref}")
     else:
-        _gc(store, args.corrupt)
+        _gc(store, args.corrupt, args.now)
 
 
 def _list(store: ArtifactStore, kind: str | None) -> None:
@@ -92,12 +95,13 @@ def _list(store: ArtifactStore, kind: str | None) -> None:
             print(f"{kind}/{name}  versions={len(versions)}  latest={versions[-1].ref}")
 
 
-def _gc(store: ArtifactStore, remove_corrupt: bool) -> None:
-    report = store.sweep(remove_corrupt=remove_corrupt)
+def _gc(store: ArtifactStore, remove_corrupt: bool, now: bool) -> None:
+    report = store.sweep(remove_corrupt=remove_corrupt, now=now)
+    age = f"untouched for over {report.min_age_s:.0f} s"
     print(f"removed {len(report.leftovers)} leftovers of crashed artifact writes (staging and manifest-less version "
-          "folders)")
-    print(f"removed {len(report.temp_files)} temp files and partial downloads untouched for over "
-          f"{store.temp_min_age_s:.0f} s (kept {report.num_fresh_temp} younger ones: a write may be running)")
+          f"folders) {age} (kept {report.num_fresh_leftovers} younger ones: a write may be running)")
+    print(f"removed {len(report.temp_files)} temp files and partial downloads {age} "
+          f"(kept {report.num_fresh_temp} younger ones: a write may be running)")
     corrupt = ", ".join(map(str, report.corrupt))
     if not report.corrupt:
         print("0 versions with a corrupt manifest")

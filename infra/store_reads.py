@@ -12,7 +12,10 @@ the commands that check and remove it. When:
 - s3, or ``get_dir(ref, dest)``: each file is checked as it is downloaded; a copy already in ``dest`` (the cache,
   by default) is re-used only after the same check of every file (names, sizes, sha256), at the cost of a local
   ``get_dir`` and for the same reason; a damaged copy in the cache is downloaded again, with a warning naming
-  what differed.
+  what differed. The download goes into ``.<dest name>.partial-<random>`` beside ``dest`` and is renamed into
+  place: ``dest`` is complete or absent. A killed download leaves that partial folder: gc removes those of the
+  cache, and the next ``get_dir`` into the same ``dest`` those beside it (gc cannot know a caller's folders), each
+  once untouched for ``temp_min_age_s``.
 - manifests: parsed and checked field by field on every read. A version whose manifest is not JSON, misses a
   field or names another version is treated as not committed: listings skip it with a warning naming it, and a
   read by its ref raises ``CorruptArtifactError``.
@@ -25,14 +28,17 @@ arbitrary objects (stages/model/safe_load.py): a forged checkpoint can hold wron
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, copy_problems, file_problems, file_sha256, stream_sha256
 from infra.store_base import PARTIAL
+from infra.store_gc import remove_stale
 
 logger = logging.getLogger("infra.store")  # the store's one logger, whichever of its files speaks
 
@@ -67,7 +73,8 @@ class VerifiedReads:
         Local store and no dest: the version folder itself (read-only use), verified in full at every call.
         Otherwise the files are copied or downloaded into dest (default: ``cache_dir/kind/name/version``), each
         checked as it arrives; a copy already there is verified in full and re-used if intact, and replaced
-        (with a warning) if it is the cache's.
+        (with a warning) if it is the cache's. The files arrive in a partial folder beside dest, renamed into place
+        at the end: dest is complete or absent.
         """
         if not self.is_remote and dest is None:
             self.verify(ref)
@@ -75,6 +82,7 @@ class VerifiedReads:
         manifest = self.manifest(ref)
         cached = dest is None
         dest = Path(dest) if dest is not None else self.cache_dir / ref.kind / ref.name / ref.version
+        self._remove_stale_partials(dest)
         problems = copy_problems(dest, manifest)
         if not problems:
             return dest
@@ -97,6 +105,13 @@ class VerifiedReads:
             if not (isinstance(exc, OSError) and not copy_problems(dest, manifest)):  # else: a concurrent
                 raise  # reader finished the same copy first
         return dest
+
+    def _remove_stale_partials(self, dest: Path) -> None:
+        """Remove the partial downloads into dest that killed processes left beside it, once untouched for
+        temp_min_age_s (as gc does in the cache; a live download writes as the bytes arrive)."""
+        found = [Path(p) for p in glob.glob(f"{glob.escape(str(dest.parent))}/.{glob.escape(dest.name)}{PARTIAL}*")]
+        if found:
+            remove_stale(found, time.time() - self.temp_min_age_s, self.temp_min_age_s)
 
     def _download(self, manifest: Manifest, target: Path) -> None:
         """Copy the version's files into target, checking names, sizes and sha256 against the manifest."""
