@@ -114,6 +114,8 @@ class RunConsole:
         # Prefect's API handler too, so the flow run's log in the Prefect UI has these lines (and the table).
         for handler in [stdout, file, *logging.getLogger("prefect.extra").handlers]:
             self._add(LINES, handler)
+        level, propagate = LINES.level, LINES.propagate
+        self._undo.append(lambda: (LINES.setLevel(level), setattr(LINES, "propagate", propagate)))
         LINES.setLevel(logging.INFO)
         LINES.propagate = False
         self.line(f"logs: {self.where()}" + ("; tracking.console=verbose or --verbose shows them here"

@@ -36,6 +36,7 @@ import torch
 
 from infra.artifacts import ArtifactRef
 from infra.config import Config
+from infra.console import LINES
 from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
 from infra.tracking import Tracker, progress_bar
 from infra.trajectories import RunTables
@@ -395,7 +396,8 @@ class RLTrainer:
         self.next_group = int(state.get("async_next_group", self.step * self.rl.train_batch_size))
         if self.engines is self.actor:  # else AsyncSchedule pushes the weights to the rollout workers
             self.actor.call("sync_weights", self.due_check_prompts(self.step))
-        logger.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
+        # a console line (and run.log's): a rerun that starts over where the user expected a resume is worth seeing
+        LINES.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
     def close(self) -> None:
         if self.schedule:

@@ -88,6 +88,7 @@ def test_sigkill_during_rl_then_rerun_resumes(tmp_path):
     assert "pid=" not in output and "| INFO" not in output and len(output.splitlines()) < 60, output
     run_log = Path(re.search(r"^logs: (\S+/run\.log)", output, re.M).group(1))
     assert "rl: resumed at step 2" in run_log.read_text()
+    assert "rl: resumed at step 2" in output  # on the console too: a rerun that started over would show
     # the killed run no longer shows RUNNING in Prefect: the rerun marked it (and its RL task run) Crashed
     assert "marked 1 earlier flow runs Crashed" in output
     assert prefect_states(tmp_path) == {"flow": ["COMPLETED", "CRASHED"], "rl task": ["COMPLETED", "CRASHED"]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.console import WORKER_LOG_ENV, QuietFilter, RunConsole
+from infra.console import LINES, WORKER_LOG_ENV, QuietFilter, RunConsole
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -90,6 +90,7 @@ def test_quiet_run_console_sorts_records_and_undoes_everything(tmp_path, capsys,
     chatty_library.warning("after the run")  # the library's own handler is as it was
     assert "after the run" in capsys.readouterr().err
     assert "after the run" not in (tmp_path / "run.log").read_text()
+    assert LINES.propagate and LINES.level == logging.NOTSET  # a later caplog sees its lines (rl's resume line)
 
 
 def test_verbose_run_console_shows_everything_and_writes_run_log(tmp_path, capsys, chatty_library):
