@@ -212,7 +212,7 @@ class TokenLogprobs(nn.Module):
         b, _, v = logits.shape
         logprobs, _, entropy = _head_forward(logits.reshape(b * r, v), input_ids[:, -r:].reshape(b * r),
                                              temperature, with_entropy)
-        return logprobs.view(b, r), entropy.view(b, r)
+        return logprobs.view(b, r).clone(), entropy.view(b, r).clone()  # not views, as in chunked_logprobs
 
     def _packed(self, body, lm_head, packed: dict, temperature: float, with_entropy: bool, head: dict):
         split = packed.get("sequence_parallel")  # this rank's slice of the row, or None: the whole row
@@ -232,8 +232,9 @@ class TokenLogprobs(nn.Module):
         if group is not None:
             lp, ent = gather_outputs(lp, ent, split["gather_index"], group)  # (K,)
         shape, where = packed["response_mask"].shape, packed["response_index"]  # scatter: no host sync
-        out_lp = lp.new_zeros(shape.numel()).scatter(0, where, lp).view(shape)
-        out_ent = ent.new_zeros(shape.numel()).scatter(0, where, ent).view(shape)
+        # clones, not views: FSDP's pre-backward hook on a returned view is lost to an in-place op on it
+        out_lp = lp.new_zeros(shape.numel()).scatter(0, where, lp).view(shape).clone()
+        out_ent = ent.new_zeros(shape.numel()).scatter(0, where, ent).view(shape).clone()
         return out_lp, out_ent
 
 
