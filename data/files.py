@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from data.reading import BadRow, Row, column_names, data_files, read_rows, split_files
-from infra.config import ColumnMapping, DataConfig
+from infra.config_sections import ColumnMapping, DataConfig
 
 logger = logging.getLogger(__name__)
 

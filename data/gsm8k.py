@@ -20,7 +20,7 @@ from pathlib import Path
 
 from data.files import Example, Splits, convert_rows, load_local, text_field
 from data.reading import BadRow, Location
-from infra.config import DataConfig
+from infra.config_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import random
 from dataclasses import dataclass, replace
 
 from data.files import TOOL_LOOP, Example, Splits
-from infra.config import DataConfig, SyntheticTaskConfig
+from infra.config_sections import DataConfig, SyntheticTaskConfig
 
 DATA_SOURCE = "synthetic/arithmetic"
 TOOL_DATA_SOURCE = "synthetic/calculator"

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from infra.config import RayConfig
+from infra.config_sections import RayConfig
 from infra.prefect_env import PROJECT_DIR
 
 DEFAULT_STATE_DIR = PROJECT_DIR / "outputs" / "ray"

@@ -162,7 +162,7 @@ def write_report(store: ArtifactStore, rl_run_id: str, title: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     """python -m infra.report --root ROOT --run RUN_ID [--out FILE]; exit 2 for an unknown run id."""
-    from infra.config import StorageConfig
+    from infra.config_sections import StorageConfig
 
     default = StorageConfig()
     parser = argparse.ArgumentParser(prog="python -m infra.report", description=__doc__.split("\n\n")[0])

@@ -1,4 +1,4 @@
-"""Configuration of the RL stage (the largest section, so it lives apart from infra/config.py).
+"""Configuration of the RL stage (the largest section, so it lives apart from infra/config_sections.py).
 
 verl users will recognise the names: `rl.train_batch_size` (prompts per step), `rl.rollout.n`,
 `rl.actor.ppo_mini_batch_size` (prompts per optimizer step, global), `rl.actor.micro_batch_size`
@@ -23,7 +23,7 @@ class _Section(BaseModel):
 
 class OptimConfig(_Section):
     """The one optimizer section (AdamW + LR schedule): rl.actor.optim, rl.critic.optim and sft.optim. The class
-    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in infra/config.py)."""
+    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in infra/config_sections.py)."""
 
     lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)

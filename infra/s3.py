@@ -35,7 +35,7 @@ from s3fs.core import MAX_UPLOAD_PARTS
 if TYPE_CHECKING:
     import duckdb
 
-    from infra.config import StorageConfig
+    from infra.config_sections import StorageConfig
 
 PART_BYTES = 8 * 2**20
 MAX_BACKOFF_S = 20  # botocore's cap on one backoff (standard retry mode)

@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 
 import duckdb
 
-from infra.config import endpoint_url_problem
+from infra.config_sections import endpoint_url_problem
 from infra.s3 import limit_httpfs
 from infra.sql_read_only import READS, ReadOnlyError, ReadOnlyFileSystem, check_read, lock
 from infra.store import ArtifactStore

@@ -59,7 +59,7 @@ def _print(rel: duckdb.DuckDBPyRelation, fmt: str, max_rows: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m infra.sql [--root R] [--endpoint-url U] [--format table|csv|json] [--max-rows N] "SQL" """
-    from infra.config import StorageConfig
+    from infra.config_sections import StorageConfig
 
     default = StorageConfig()
     parser = argparse.ArgumentParser(

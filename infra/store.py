@@ -66,7 +66,8 @@ import fsspec
 from botocore.exceptions import NoCredentialsError
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, hash_dir
-from infra.config import ConfigError, StorageConfig, endpoint_url_problem
+from infra.config import ConfigError
+from infra.config_sections import StorageConfig, endpoint_url_problem
 from infra.s3 import s3_filesystem, stall_bound_s
 from infra.store_base import ARTIFACTS, CONNECTION_ERRORS, STAGING, TIMEOUTS, CorruptArtifactError, StoreError
 from infra.store_gc import GC_MIN_AGE_S, GarbageCollection, GcReport
@@ -125,7 +126,7 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
 
     @classmethod
     def from_config(cls, cfg) -> ArtifactStore:
-        """Build from ``infra.config.StorageConfig``."""
+        """Build from ``infra.config_sections.StorageConfig``."""
         return cls(cfg.root, cfg.endpoint_url, limits=cfg)
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from infra.config import TrackingConfig
+from infra.config_sections import TrackingConfig
 from infra.console import LINES
 
 logger = logging.getLogger(__name__)

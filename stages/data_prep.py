@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 from data.files import Example, Splits, load_files, with_interaction
 from data.gsm8k import load_gsm8k
 from data.synthetic import load_synthetic
-from infra.config import DataConfig
+from infra.config_sections import DataConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

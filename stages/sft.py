@@ -29,7 +29,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from infra.config import Config, DataConfig
+from infra.config import Config
+from infra.config_sections import DataConfig
 from infra.tracking import Tracker, progress_bar
 from stages.batch import Batch, build_batch, to_device
 from stages.merge import write_hf_folder

@@ -27,7 +27,8 @@ from prefect.exceptions import MissingContextError  # noqa: E402
 from prefect.results import ResultStore  # noqa: E402
 
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
-from infra.config import Config, StorageConfig, config_hash  # noqa: E402
+from infra.config import Config, config_hash  # noqa: E402
+from infra.config_sections import StorageConfig  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
 
 

@@ -138,7 +138,7 @@ def ray_cluster():
     """One local Ray instance per test module (2 CPUs); modules opt in with usefixtures("ray_cluster")."""
     import ray
 
-    from infra.config import RayConfig
+    from infra.config_sections import RayConfig
     from stages.workers.group import init_ray
 
     init_ray(RayConfig(num_cpus=2))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from infra.config import LoraConfig, ModelConfig
+from infra.config_sections import LoraConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from infra.config import TinyModelConfig
+from infra.config_sections import TinyModelConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (

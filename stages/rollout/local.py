@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from infra.config import ModelConfig
+from infra.config_sections import ModelConfig
 from stages.model.loading import load_model, load_tokenizer
 from stages.rollout.cuda_weights import unsupported
 

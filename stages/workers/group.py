@@ -22,7 +22,8 @@ import socket
 
 import torch
 
-from infra.config import Config, RayConfig
+from infra.config import Config
+from infra.config_sections import RayConfig
 from infra.console import WORKER_HOOK, WORKER_LOG_ENV
 from infra.prefect_env import PROJECT_DIR
 from stages.batch import Batch, gather_rows, rank_rows

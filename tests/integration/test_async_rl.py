@@ -39,7 +39,7 @@ FULLY = [*SEPARATE, "rl.async_training.mode=fully_async", "rl.async_training.gen
 def ray_one_thread():
     import ray
 
-    from infra.config import RayConfig
+    from infra.config_sections import RayConfig
     from stages.workers.group import init_ray
 
     old = os.environ.get("OMP_NUM_THREADS")

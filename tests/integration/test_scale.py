@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import RayConfig, load_config
+from infra.config import load_config
+from infra.config_sections import RayConfig
 from infra.sql import query
 from infra.store import ArtifactStore
 from infra.tracking import Tracker

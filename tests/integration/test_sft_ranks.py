@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import RayConfig, load_config
+from infra.config import load_config
+from infra.config_sections import RayConfig
 from infra.store import ArtifactStore
 from infra.tracking import Tracker
 from stages.model.loading import load_model

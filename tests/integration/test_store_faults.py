@@ -15,7 +15,7 @@ import duckdb
 import pytest
 
 from infra import sql
-from infra.config import StorageConfig
+from infra.config_sections import StorageConfig
 from infra.s3 import PART_BYTES, stall_bound_s
 from infra.store import ArtifactStore, StoreError
 from infra.trajectories import RunTables

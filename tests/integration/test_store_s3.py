@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import StorageConfig
+from infra.config_sections import StorageConfig
 from infra.store import ArtifactStore, CorruptArtifactError, StoreError
 from tests.conftest import free_port
 

@@ -9,7 +9,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from infra.config import TinyModelConfig
+from infra.config_sections import TinyModelConfig
 from stages.model.tiny import build_tiny_model
 from stages.rollout.base import SamplingParams
 from stages.rollout.hf import HFRolloutEngine

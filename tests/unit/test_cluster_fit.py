@@ -10,7 +10,8 @@ import pytest
 
 from flows.post_train import main, preflight
 from infra.cluster import ClusterTooSmall, check_fits
-from infra.config import ConfigError, RayConfig, load_config
+from infra.config import ConfigError, load_config
+from infra.config_sections import RayConfig
 from tasks.stages import REPEATABLE
 
 

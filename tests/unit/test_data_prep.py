@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.synthetic import Problem, expression, generate
-from infra.config import ColumnMapping, DataConfig, SyntheticTaskConfig
+from infra.config_sections import ColumnMapping, DataConfig, SyntheticTaskConfig
 from stages.data_prep import corpus_texts, load_prompts, run_data_prep
 from stages.rewards import default_compute_score
 

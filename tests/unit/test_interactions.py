@@ -259,7 +259,7 @@ def test_gsm8k_interaction_needs_a_ground_truth():
 
 def test_verl_rows_keep_their_agent_name():
     from data.files import verl_example
-    from infra.config import ColumnMapping
+    from infra.config_sections import ColumnMapping
 
     row = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"},
            "agent_name": "tool_agent", "extra_info": {"interaction_kwargs": {"name": "gsm8k", "ground_truth": "2"}}}

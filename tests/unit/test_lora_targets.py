@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from infra.config import LoraConfig
+from infra.config_sections import LoraConfig
 from stages.model.loading import apply_lora
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -2,7 +2,7 @@
 
 import torch
 
-from infra.config import OptimConfig
+from infra.rl_config import OptimConfig
 from stages.model.optim import OffloadedAdamW, build_optimizer
 
 

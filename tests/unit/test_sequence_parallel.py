@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from infra.config import ConfigError, TinyModelConfig, load_config
+from infra.config import ConfigError, load_config
+from infra.config_sections import TinyModelConfig
 from stages.batch import Batch, build_batch
 from stages.model.fsdp import init_process_group
 from stages.model.policy import TokenLogprobs, pack_rows

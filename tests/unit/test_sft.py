@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 
 from infra.checkpoints import StoreCheckpoints
-from infra.config import OptimConfig, load_config
+from infra.config import load_config
+from infra.rl_config import OptimConfig
 from infra.store import ArtifactStore
 from infra.tracking import Tracker
 from stages.model.loading import load_model, load_tokenizer

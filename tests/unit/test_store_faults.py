@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import EndpointConnectionError
 
-from infra.config import StorageConfig
+from infra.config_sections import StorageConfig
 from infra.store import ArtifactStore, StoreError
 from tests.faults import FaultProxy
 

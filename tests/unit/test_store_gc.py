@@ -18,7 +18,7 @@ import pytest
 from infra import store_gc
 from infra.artifacts import MANIFEST
 from infra.checkpoints import StoreCheckpoints
-from infra.config import StorageConfig
+from infra.config_sections import StorageConfig
 from infra.store import GC_MIN_AGE_S, ArtifactStore
 from infra.store_base import PARTIAL
 from infra.store_cli import main as cli

@@ -5,7 +5,8 @@ import filecmp
 import pytest
 import torch
 
-from infra.config import TinyModelConfig, load_config
+from infra.config import load_config
+from infra.config_sections import TinyModelConfig
 from stages.model.loading import chat_prompt_ids, load_model, load_tokenizer
 from stages.model.tiny import build_tiny_model
 

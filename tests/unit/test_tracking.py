@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from infra.config import TrackingConfig
+from infra.config_sections import TrackingConfig
 from infra.tracking import Tracker, prometheus_name
 
 

@@ -4,7 +4,7 @@ the user's OMP_NUM_THREADS over both."""
 import pytest
 import torch
 
-from infra.config import RayConfig
+from infra.config_sections import RayConfig
 from stages.workers import group
 from stages.workers.group import GPU_WORKER_THREADS, worker_env
 
