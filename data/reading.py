@@ -1,6 +1,6 @@
 """Reading a user's local data files: the .parquet/.jsonl files of a path, their rows with the place each came from
 (for error messages that name a row and never quote it), their column names, and the rule that splits a folder's
-files into training and validation by their names (data/files.py maps the rows; infra/verl_convert.py checks verl's
+files into training and validation by their names (data/files.py maps the rows; infra/verl_files.py checks verl's
 data.train_files / val_files by the same rules).
 
 A folder where some file names hold the word test/validation/valid/val/dev/eval keeps that split (those files are

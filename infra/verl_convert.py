@@ -6,14 +6,16 @@ Where verl's behaviour depends on other keys (a parameter read only by some esti
 lora_rank > 0, warmup given as a share of the total steps), the conversion reads them as verl does. Units: verl's
 batch sizes are prompts (`data.train_batch_size`, `ppo_mini_batch_size`, as ours) and samples per GPU
 (`*_micro_batch_size_per_gpu`, as our `micro_batch_size`); steps are training steps in both.
+
+Here: `Given` and what several conversions read (batch sizes, total steps), and the keys of ppo_trainer.yaml and
+the DAPO recipe; those of verl's asynchronous recipes are in infra/verl_async.py, data.train_files / val_files in
+infra/verl_files.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, get_args
 
 from infra.algorithms import AdvEstimator, PolicyLoss, variant_names
@@ -94,73 +96,6 @@ def total_epochs(value: Any, given: Given) -> Overrides:
     if given.get("trainer.total_training_steps", None) is not None:
         return {}
     return {"rl.total_steps": total_steps(given)}
-
-
-def rollout_total_epochs(value: Any, given: Given) -> Overrides:
-    """verl's asynchronous recipes: the rollouter's epochs over the prompts, as trainer.total_epochs."""
-    if given.get("trainer.total_training_steps", None) is not None or given.is_given("rollout.total_rollout_steps"):
-        return {}
-    return {"rl.total_steps": total_steps(given, "rollout.total_epochs")}
-
-
-def total_rollout_steps(value: Any, given: Given) -> Overrides:
-    """verl's fully async recipe: prompts generated over the run -> steps of train_batch prompts."""
-    batch = train_batch(given)
-    if value < batch:
-        raise ValueError(f"fewer prompts than one step takes ({batch}: async_training.require_batches x "
-                         "ppo_mini_batch_size): raise it")
-    return {"rl.total_steps": value // batch}
-
-
-def rollout_gpus(value: Any, given: Given) -> Overrides:
-    """Rollout GPUs of their own: verl's one_step_off_policy recipe, or fully_async_policy with its keys."""
-    if value < 1:
-        raise ValueError("at least 1 (0 GPUs of their own: drop the key, the workers are then colocated)")
-    return {"ray.rollout_devices_per_node": value,
-            "rl.async_training.mode": "fully_async" if fully_async(given) else "one_step_off"}
-
-
-def async_setting(ours: str) -> Convert:
-    """A fully async recipe key: sets `ours` (if any), the mode and the step size it implies (train_batch)."""
-    def apply(value: Any, given: Given) -> Overrides:
-        out = {"rl.async_training.mode": "fully_async", "rl.train_batch_size": train_batch(given)}
-        return out if not ours else {**out, ours: value}
-
-    return apply
-
-
-def staleness(threshold: Any, given: Given) -> Overrides:
-    """verl counts staleness in weight syncs (a sample may come from ceil(threshold) syncs back); here in trainer
-    steps: with a push every T steps a sample trains up to T - 1 steps after its window began, plus T per sync."""
-    if threshold < 0:
-        raise ValueError("a share of stale samples >= 0")
-    every = sync_every(given)
-    return async_setting("rl.async_training.max_staleness")(every - 1 + math.ceil(threshold) * every, given)
-
-
-def sync_every(given: Given) -> int:
-    return given.get("async_training.trigger_parameter_sync_step",
-                     given.base.rl.async_training.trigger_parameter_sync_step)
-
-
-def hybrid_engine(value: Any, given: Given) -> Overrides:
-    if value is False and not given.is_given("rollout.n_gpus_per_node"):
-        raise ValueError("a rollout of its own needs its GPUs: give rollout.n_gpus_per_node (verl's asynchronous "
-                         "recipes), else actor, reference and rollout share the workers")
-    return {}
-
-
-def rollout_bypass(_value: Any, given: Given) -> Overrides:
-    """use_rollout_log_probs / compute_prox_log_prob: the rollout's logprobs are the old policy (bypass) when the
-    first is on and the second (the trainer recomputing them) is off."""
-    bypass = bool(given.get("async_training.use_rollout_log_probs", False)) and not given.get(
-        "async_training.compute_prox_log_prob", False)
-    return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
-
-
-def rollout_test_freq(value: Any, given: Given) -> Overrides:
-    """verl: validate every N weight syncs; here every N x trigger_parameter_sync_step steps."""
-    return {"rl.test_freq": max(0, value) * sync_every(given)}
 
 
 def gen_batch_size(value: Any, given: Given) -> Overrides:
@@ -305,85 +240,6 @@ def global_micro_batch(value: Any, given: Given) -> Overrides:
     if value % workers:
         raise ValueError(f"{value} is not divisible by the {workers} GPUs (n_gpus_per_node x nnodes)")
     return {"rl.actor.micro_batch_size": value // workers}
-
-
-def files_folder(value: Any, given: Given) -> Overrides:
-    """One folder that holds the train and val files and nothing else, split by file names as data prep does."""
-    train = _paths(given.get("data.train_files", None))
-    val = _paths(given.get("data.val_files", None))
-    if not train:
-        raise ValueError("give data.train_files (a parquet file, or a list of them)")
-    _check_files(train)
-    try:
-        _check_files(val)
-    except ValueError:
-        return {}  # reported under data.val_files
-    if not val and len(train) == 1:
-        return _with_columns({"data.source": "file", "data.path": str(train[0])}, train, given)
-    return _with_columns(_one_folder(train, val), train + val, given)
-
-
-def val_files(value: Any, given: Given) -> Overrides:
-    if not given.is_given("data.train_files"):
-        raise ValueError("give data.train_files too: the two are read from one folder")
-    _check_files(_paths(value))
-    try:
-        return files_folder(value, given)
-    except ValueError:
-        return {}  # reported once, under data.train_files
-
-
-def _check_files(paths: list[Path]) -> None:
-    """Each path is a .parquet or .jsonl file that exists."""
-    for path in paths:
-        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
-        if not path.exists():
-            raise ValueError(f"{path} does not exist{where}; give the path of a .parquet or .jsonl file")
-        if not path.is_file():
-            raise ValueError(f"{path} is a folder; give the .parquet or .jsonl files in it")
-        if path.suffix not in (".parquet", ".jsonl"):
-            raise ValueError(f"{path} is a {path.suffix or 'suffix-less'} file; give .parquet or .jsonl files")
-
-
-def _one_folder(train: list[Path], val: list[Path]) -> Overrides:
-    """data.path = the folder of the train and val files, which must hold them and nothing else, the validation files
-    being the ones whose names say so (data/reading.py `split_files`)."""
-    from data.reading import data_files, split_files  # the rules data prep reads files by
-
-    folders = sorted({str(p.resolve().parent) for p in train + val})
-    if len(folders) > 1:
-        raise ValueError(f"the train and val files are in {len(folders)} folders ({', '.join(folders)}); here data "
-                         "prep reads one folder (data.path), so put the train and val files together in a folder of "
-                         "their own and give their paths there")
-    folder = Path(folders[0])
-    found = sorted(p.resolve() for p in data_files(folder))
-    others = [p for p in found if p not in {q.resolve() for q in train + val}]
-    if others:
-        raise ValueError(f"data.path reads a whole folder here, and {folder} also holds {', '.join(map(str, others))}; "
-                         "put the train and val files in a folder of their own")
-    expect = {"train": sorted(p.resolve() for p in train), "validation": sorted(p.resolve() for p in val)}
-    split = split_files(found)
-    if split != (expect if val else {"all": found}):
-        named = [p.name for p in split.get("validation", [])]
-        raise ValueError(f"here the validation files are found by name (a word test/val/validation/valid/dev/eval): "
-                         f"in {folder} they would be {named}, not {[p.name for p in val]}; rename the files")
-    return {"data.source": "file", "data.path": str(folder)}
-
-
-def _with_columns(out: Overrides, files: list[Path], given: Given) -> Overrides:
-    """`out`, once the files have verl's RL columns (data/files.py `verl_layout_problem` says what is missing)."""
-    from data.files import verl_layout_problem
-    from data.reading import column_names
-
-    problem = verl_layout_problem(column_names(files), ", ".join(map(str, files)), given.base.data.columns)
-    if problem:
-        raise ValueError(problem)
-    return out
-
-
-def _paths(value: Any) -> list[Path]:
-    values = [] if value is None else [value] if isinstance(value, str) else list(value)
-    return [Path(v).expanduser() for v in values]
 
 
 _BACKENDS = {"console": "console", "wandb": "wandb", "file": "jsonl"}

@@ -1,7 +1,8 @@
 """verl's `ppo_trainer.yaml` keys and what each becomes here: the one table behind `--verl` and README "From verl".
 
 Each `VerlKey` turns a verl key's value into overrides of our config (`apply(value, given) -> {our key: value}`,
-conversions in infra/verl_convert.py) or is refused (`apply is None`) with the reason. Four kinds of rows:
+conversions in infra/verl_convert.py, verl_async.py and verl_files.py) or is refused (`apply is None`) with the
+reason. Four kinds of rows:
 
 - `same` / `via`: our equivalent, with the value converted where units or conventions differ (the note says how);
 - `only`: accepted with the value that is what this project does anyway (`fsdp_config.param_offload=False`), any
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from infra import verl_async, verl_files
 from infra import verl_convert as c
 from infra.verl_convert import Convert, Given
 
@@ -77,11 +79,11 @@ PER_DEVICE_PASSES = "no-grad log-prob passes use rl.actor.micro_batch_size (or t
 
 ROWS = [
     # ---- data
-    via("data.train_files", "data.source=file, data.path", c.files_folder,
+    via("data.train_files", "data.source=file, data.path", verl_files.files_folder,
         "the folder holding the train and val files and nothing else (validation files are found by name: "
         "test/val/validation/valid/dev/eval, as verl's test.parquet); a lone train file: data.path = that file, "
         "data.validation_fraction held out"),
-    via("data.val_files", "data.source=file, data.path", c.val_files, "with data.train_files (one folder)"),
+    via("data.val_files", "data.source=file, data.path", verl_files.val_files, "with data.train_files (one folder)"),
     VerlKey("data.train_batch_size", "same", "rl.train_batch_size", "prompts per step, as verl's (not read by "
             "verl's fully async recipe, nor here with its async_training.* keys)", c.train_batch_size),
     same("data.max_prompt_length", "data.max_prompt_length"),
@@ -122,8 +124,8 @@ ROWS = [
     only(M + "enable_activation_offload", (False,), "no activation offload here"),
     only(M + "custom_chat_template", (None,), "the tokenizer's own chat template is used"),
     only(M + "external_lib", (None,), "no external model libraries are imported"),
-    only_if("actor_rollout_ref.hybrid_engine", c.hybrid_engine, "True; False with rollout.n_gpus_per_node (verl's "
-            "asynchronous recipes: rollout workers of their own)"),
+    only_if("actor_rollout_ref.hybrid_engine", verl_async.hybrid_engine, "True; False with rollout.n_gpus_per_node "
+            "(verl's asynchronous recipes: rollout workers of their own)"),
     # ---- actor
     only(A + "strategy", ("fsdp", "fsdp2"), "training is FSDP2 here; Megatron is not supported"),
     same(A + "ppo_mini_batch_size", "rl.actor.ppo_mini_batch_size", "prompts per optimizer step (x rollout.n "
@@ -313,31 +315,34 @@ ROWS = [
     same("algorithm.filter_groups.metric", "rl.algorithm.filter_groups_metric", "DAPO recipe"),
     same("algorithm.filter_groups.max_num_gen_batches", "rl.algorithm.max_num_gen_batches", "DAPO recipe; 0: no limit"),
     # ---- verl's asynchronous recipes (one_step_off_policy, fully_async_policy): rollout GPUs of their own
-    via("rollout.n_gpus_per_node", "ray.rollout_devices_per_node, rl.async_training.mode", c.rollout_gpus,
+    via("rollout.n_gpus_per_node", "ray.rollout_devices_per_node, rl.async_training.mode", verl_async.rollout_gpus,
         "rollout devices per node beside trainer.n_gpus_per_node; mode fully_async with async_training.* keys, else "
         "one_step_off"),
     only_if("rollout.nnodes", c.equal_to("trainer.nnodes", lambda g: g.get("trainer.nnodes", g.base.ray.num_nodes),
                                          "rollout workers run on the trainer's nodes here (ray.num_nodes)"),
             "only equal to trainer.nnodes"),
-    via("rollout.total_rollout_steps", "rl.total_steps", c.total_rollout_steps,
+    via("rollout.total_rollout_steps", "rl.total_steps", verl_async.total_rollout_steps,
         "fully async: prompts over the run // a step's prompts (require_batches x ppo_mini_batch_size)"),
-    via("rollout.total_epochs", "rl.total_steps", c.rollout_total_epochs,
+    via("rollout.total_epochs", "rl.total_steps", verl_async.rollout_total_epochs,
         "as trainer.total_epochs (after data prep); total_rollout_steps or total_training_steps win"),
-    via("rollout.test_freq", "rl.test_freq", c.rollout_test_freq,
+    via("rollout.test_freq", "rl.test_freq", verl_async.rollout_test_freq,
         "validation every N weight syncs: N x trigger_parameter_sync_step steps"),
-    via("async_training.staleness_threshold", "rl.async_training.max_staleness", c.staleness,
+    via("async_training.staleness_threshold", "rl.async_training.max_staleness", verl_async.staleness,
         "verl bounds the stale samples per sync window, so a sample lags at most ceil(threshold) syncs; here the "
         "bound is in trainer steps: T - 1 + ceil(threshold) x T with a push every T steps (0 stays synchronous)"),
     via("async_training.trigger_parameter_sync_step", "rl.async_training.trigger_parameter_sync_step",
-        c.async_setting("rl.async_training.trigger_parameter_sync_step"),
+        verl_async.async_setting("rl.async_training.trigger_parameter_sync_step"),
         "steps between weight pushes; a step here is one of verl's local updates"),
-    via("async_training.require_batches", "rl.train_batch_size", c.async_setting(""),
+    via("async_training.require_batches", "rl.train_batch_size", verl_async.async_setting(""),
         "a step takes require_batches x ppo_mini_batch_size prompts (verl's local update)"),
     via("async_training.partial_rollout", "rl.async_training.partial_rollout",
-        c.async_setting("rl.async_training.partial_rollout"), "generation in flight pauses at a push and goes on"),
-    via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_bypass,
+        verl_async.async_setting("rl.async_training.partial_rollout"),
+        "generation in flight pauses at a push and goes on"),
+    via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode",
+        verl_async.rollout_bypass,
         "the rollout's logprobs as the old policy (bypass), unless compute_prox_log_prob"),
-    via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode", c.rollout_bypass,
+    via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode",
+        verl_async.rollout_bypass,
         "True: the trainer recomputes the old policy's logprobs (no bypass; rollout_correction weights them)"),
     *(no_setting("async_training.checkpoint_engine." + key, "weights reach the rollout workers as one NCCL broadcast "
                  "per tensor, loaded as they arrive (stages/workers/weight_transfer.py); nothing to tune")
