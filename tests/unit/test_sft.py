@@ -15,17 +15,8 @@ from infra.tracking import Tracker
 from stages.model.loading import load_model, load_tokenizer
 from stages.model.optim import lr_multiplier
 from stages.model.policy import TokenLogprobs
-from stages.sft import (
-    SFTExample,
-    SFTTrainer,
-    num_target_tokens,
-    run_sft,
-    sft_batch,
-    sft_policy,
-    summed_token_nll,
-    tokenize_sft,
-    train_step,
-)
+from stages.sft import SFTTrainer, run_sft, sft_policy, summed_token_nll, train_step
+from stages.sft_data import SFTExample, num_target_tokens, sft_batch, tokenize_sft
 from tests.conftest import TINY_OVERRIDES
 from tests.tolerances import assert_close_sgd_steps
 
@@ -247,7 +238,7 @@ def test_truncated_prompts_are_counted_in_the_warning(tiny_config, tiny_data_dir
     tokenizer = load_tokenizer(tiny_model_dir)
     data = tiny_config.data.model_copy(update={"max_prompt_length": 4, "truncation": "right",
                                                "filter_overlong_prompts": False})
-    with caplog.at_level("WARNING", logger="stages.sft"):
+    with caplog.at_level("WARNING", logger="stages.sft_data"):
         examples = tokenize_sft(tiny_data_dir / "sft_train.parquet", tokenizer, data)
     assert all(e.num_prompt_tokens == 4 for e in examples)
     assert f"{len(examples)} truncated (data.truncation=right)" in caplog.text

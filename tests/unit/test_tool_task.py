@@ -11,7 +11,7 @@ from infra.config import load_config
 from stages.data_prep import corpus_texts, load_prompts, run_data_prep
 from stages.model.tiny import build_tiny_model
 from stages.rewards import default_compute_score
-from stages.sft import tokenize_sft
+from stages.sft_data import tokenize_sft
 from tests.unit.test_tool_loop import run
 
 TOOL = ["data.synthetic.tool_call_fraction=0.5", "data.synthetic.num_terms=2", "data.synthetic.operators=['*']",
