@@ -23,7 +23,7 @@ from infra.store import ArtifactStore, CorruptArtifactError, StoreError
 def main(argv: list[str] | None = None) -> None:
     """python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions K/N | show K/N@V |
     verify [K/N[@V]] | delete K/N@V | gc [--corrupt] [--now]"""
-    from infra.config import StorageConfig
+    from infra.config_sections import StorageConfig
 
     default = StorageConfig()
     parser = argparse.ArgumentParser(prog="python -m infra.store",

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infra.artifacts import ArtifactRef
-from infra.config import ModelConfig
+from infra.config_sections import ModelConfig
 
 if TYPE_CHECKING:  # the store (and its S3 client) is imported where used: SFT and the GPU benches need neither
     from infra.store import ArtifactStore

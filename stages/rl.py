@@ -27,7 +27,7 @@ import logging
 import random
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +49,7 @@ from stages.model.safe_load import load_state
 from stages.rl_async import AsyncSchedule
 from stages.rl_correction import corrected_batch
 from stages.rl_data import data_metrics, preference_batch, trajectory_rows, turn_rows
+from stages.rl_driver import StepTimer, driver_threads
 from stages.rl_rollout import RolloutDriver
 from stages.rollout.base import SamplingParams
 from stages.sft import Checkpoints
@@ -99,34 +100,6 @@ def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoin
     logger.info("rl: %d steps, final checkpoint %s; make a model of it with "
                 "`python -m stages.merge [--root STORE] --checkpoint %s --out DIR`", trainer.step, ref, ref)
     return RLResult(ref, trainer.step, metrics, trainer.automatic)
-
-
-DRIVER_THREADS = 8
-
-
-@contextmanager
-def driver_threads(limit: int = DRIVER_THREADS):
-    """The driver's torch ops on at most `limit` threads. The driver only builds, balances and slices batches (the
-    workers compute, in their own processes); with one thread per core of a 64-core GPU host its small ops took
-    3-5x as long as with 1-16 threads (bench/driver_cpu.py: 0.63-0.90 s a step for 4 ranks' 1,024 samples against
-    0.18-0.20 s), time that no GPU overlaps."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(before, limit))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-class StepTimer:
-    def __init__(self):
-        self.metrics: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.metrics[f"timing_s/{name}"] = self.metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
 class RLTrainer:
