@@ -43,7 +43,8 @@ from stages.model.fsdp import (
 )
 from stages.model.loading import DTYPES, compute_dtype, load_model, load_tokenizer, save_hf_folder
 from stages.model.optim import build_optimizer, build_scheduler
-from stages.model.policy import TokenLogprobs, compile_layers, head_problem, host_inputs, packing_unsupported
+from stages.model.packing import host_inputs, packing_unsupported
+from stages.model.policy import TokenLogprobs, compile_layers, head_problem
 from stages.model.rng import rng_state, set_rng_state
 from stages.model.safe_load import load_state
 from stages.sft_data import SFTExample, num_target_tokens, sft_batch, tokenize_sft

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) for the packed forward of TokenLogprobs.
 
 The P ranks of a sequence-parallel (SP) group run one micro-batch together: its packed row of T tokens
-(stages/model/policy.py `pack_rows`) is padded to a multiple of P and each rank holds T/P consecutive tokens
+(stages/model/packing.py `pack_rows`) is padded to a multiple of P and each rank holds T/P consecutive tokens
 through every layer but attention. Around attention an all-to-all turns this rank's (T/P tokens, H heads, D)
 into (T tokens, H/P heads, D), so each rank attends over the whole row with its share of the heads, and a second
 all-to-all turns the output back. Per-token outputs (logprobs, entropies) are computed where their predicting
@@ -120,7 +120,7 @@ def heads_to_tokens(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def ulysses_attention(attention, query, key, value, cu_seqlens, max_seqlen: int, scale, group) -> torch.Tensor:
-    """`attention(query, key, value, cu_seqlens, max_seqlen, scale)` (policy.py `packed_attention`) over the
+    """`attention(query, key, value, cu_seqlens, max_seqlen, scale)` (packing.py `packed_attention`) over the
     whole row, from this rank's tokens: query (T/P, H, D), key/value (T/P, H_kv, D) -> (T/P, H, D)."""
     size = dist.get_world_size(group)
     assert query.shape[1] % size == 0, f"{query.shape[1]} heads do not split over {size} ranks (check_heads)"

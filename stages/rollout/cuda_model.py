@@ -17,7 +17,7 @@ transformers model, with the same operation order as transformers so that greedy
 - KV cache: (layers, 2, slots, max_len, kv_heads, head_dim), a sequence's tokens at positions 0.. of
   its slot; the engine moves slots around (compaction), this module only reads and writes them;
 - prefill: prompts packed without padding (position ids per prompt), causal attention within each
-  prompt (stages/model/policy.py `packed_attention`), K/V written into each of the prompt's `n` slots;
+  prompt (stages/model/packing.py `packed_attention`), K/V written into each of the prompt's `n` slots;
   a continued prompt (its first tokens' K/V already copied into its slots from the park) computes only its
   remaining tokens, which attend to the slot's cache;
 - park: (layers, 2, rows, max_len, kv_heads, head_dim), K/V of finished sequences kept between engine calls
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stages.model.policy import packed_attention
+from stages.model.packing import packed_attention
 from stages.rollout.cuda_weights import DecoderShape, DecoderWeights
 from stages.rollout.fp8 import linear
 

@@ -45,13 +45,8 @@ from stages.model.fsdp import (
     shard,
 )
 from stages.model.loading import compute_dtype, enable_checkpointing, load_model
-from stages.model.policy import (
-    TokenLogprobs,
-    compile_layers,
-    head_problem,
-    host_inputs,
-    packing_unsupported,
-)
+from stages.model.packing import host_inputs, packing_unsupported
+from stages.model.policy import TokenLogprobs, compile_layers, head_problem
 from stages.model.sequence_parallel import check_heads, consecutive_group, sequence_parallel_group
 from stages.rollout.base import PackedOutputs, RolloutOutput, SamplingParams
 from stages.rollout.cuda_weights import TP_FIELD

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
-from stages.model.policy import packing_unsupported
+from stages.model.packing import packing_unsupported
 from stages.rollout.cuda_weights import unsupported
 from stages.rollout.vllm_engine import checkpoint_layout
 

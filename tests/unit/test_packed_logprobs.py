@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from stages.batch import build_batch
-from stages.model.policy import TokenLogprobs, pack_rows
+from stages.model.packing import pack_rows
+from stages.model.policy import TokenLogprobs
 from tests.tolerances import assert_close_reordered
 from tests.triton_device import needs_triton, triton_device
 from tests.unit.test_cuda_engine import PAD, tiny_model

@@ -23,7 +23,8 @@ from infra.config import ConfigError, load_config
 from infra.config_sections import TinyModelConfig
 from stages.batch import Batch, build_batch
 from stages.model.fsdp import init_process_group
-from stages.model.policy import TokenLogprobs, pack_rows
+from stages.model.packing import pack_rows
+from stages.model.policy import TokenLogprobs
 from stages.model.sequence_parallel import check_heads, sequence_parallel_group, split_packed
 from stages.model.tiny import build_tiny_model
 from stages.workers.group import WorkerGroup
