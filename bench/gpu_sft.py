@@ -27,6 +27,11 @@ from bench.gpu_common import Results, machine, measure_ceilings, num_params, wor
 from stages import sft  # noqa: E402
 from stages.model.optim import fused_adamw  # noqa: E402
 
+try:
+    from stages.sft_data import SFTExample  # noqa: E402
+except ModuleNotFoundError:  # an older checkout: SFTExample was in stages/sft.py
+    SFTExample = sft.SFTExample
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -48,7 +53,7 @@ def main():
     vocab, eos = model.config.vocab_size, model.config.eos_token_id
     prompts = workload_prompts(args.batch, 128, 256, vocab, eos, seed=1)
     responses = workload_prompts(args.batch, 100, 512, vocab, eos, seed=2)
-    examples = [sft.SFTExample(p_ + r + [eos], len(p_)) for p_, r in zip(prompts, responses)]
+    examples = [SFTExample(p_ + r + [eos], len(p_)) for p_, r in zip(prompts, responses)]
     tokens = sum(len(e.input_ids) for e in examples)
     trained = sft.sft_policy(model, cuda=True) if hasattr(sft, "sft_policy") else model
     if args.offload:  # as run_sft with sft.offload: a world of one, FSDP2 with CPU offload and bf16 compute
