@@ -2,7 +2,8 @@
 
 A run resumes by running the same command again: the stages that finished are Prefect cache hits, SFT and RL go on
 from their last checkpoint (their cache key names them), evaluation re-runs only for models not yet evaluated.
-`--refresh-cache` is left out of the command printed, or the second run would start every stage over.
+`--refresh-cache` is left out of the command printed, or the second run would start every stage over. A run that
+fails names the same command after its error (`resume_after_failure`, printed by infra/console.py's RunConsole).
 
 The terminal sends SIGINT to every process of its foreground process group, Prefect's temporary server included
 (started by the first API call when no PREFECT_API_URL names a server): it died with the flow, so Prefect's report
@@ -23,10 +24,13 @@ import signal
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
 REFRESH = "--refresh-cache"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_command_line: list[str] | None = None  # main()'s arguments while it runs the flow (running_from_command_line)
 
 
 class _OwnGroupPopen(subprocess.Popen):
@@ -77,6 +81,23 @@ def quiet_while_starting() -> None:
 def _interrupted_while_starting(_signum: int, _frame) -> None:
     print("\ninterrupted (Ctrl-C) while starting: nothing ran", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_CODE)
+
+
+@contextmanager
+def running_from_command_line(argv: list[str]) -> Iterator[None]:
+    """While main() runs the flow with `argv`: a run that fails says how to resume (`resume_after_failure`)."""
+    global _command_line
+    _command_line = list(argv)
+    try:
+        yield
+    finally:
+        _command_line = None
+
+
+def resume_after_failure() -> str | None:
+    """The command that resumes this process's run, when it runs from the command line (main); None in a
+    deployment's run or a flow called from Python, which have no command to repeat."""
+    return None if _command_line is None else resume_command(_command_line)
 
 
 def resume_command(argv: list[str]) -> str:

@@ -87,7 +87,7 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None) ->
 
 
 def _post_train(cfg: Config, ctx: RunContext) -> dict:
-    with RunConsole(ctx.run_dir, cfg.tracking.console) as console:
+    with RunConsole(ctx.run_dir, cfg.tracking.console, interrupt.resume_after_failure()) as console:
         get_run_logger().info("run %s: folder %s, store %s", ctx.run_id, ctx.run_dir, cfg.storage.root)
         crashed = crash_orphans(Path(cfg.run.output_dir).resolve())
         if crashed:
@@ -141,8 +141,9 @@ class StageLog:
             state = task(*args, return_state=True)
         self.states[name] = state.name
         took = duration(time.monotonic() - start)
-        if not state.is_completed():
-            self._line(name, f"{state.name.lower()} after {took}: {state.message}")
+        if not state.is_completed():  # its error is printed once, in full, as it ends the run (RunConsole.failed)
+            error = state.result(raise_on_failure=False)
+            self._line(name, f"{state.name.lower()} after {took}: {type(error).__name__} (traceback below)")
             return state.result()  # raises the task's error
         result = state.result()
         how = "cached" if state.name == "Cached" else "ran"
@@ -275,8 +276,10 @@ def _main(argv: list[str]) -> int:
     if cfg.tracking.console == "quiet":
         hide_chatter()
     interrupt.start_prefect_server()  # out of Ctrl-C's reach (flows/interrupt.py)
-    # A failed run's error and traceback are on the console already (Prefect logs them): no second traceback.
-    return 1 if post_train(recipe, overrides, return_state=True).is_failed() else 0
+    with interrupt.running_from_command_line(argv):
+        state = post_train(recipe, overrides, return_state=True)
+    # A failed run's error and traceback are on the console already (RunConsole.failed): no second traceback.
+    return 1 if state.is_failed() else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 quiet (the default): the console shows the flow's own lines (where the logs are, one line as each stage starts
 and ends, the final table), the SFT and RL progress bars, warnings from our code (in the driver and in Ray
-workers) and every error with its traceback. The rest goes to log files in the run folder
-(outputs/runs/<run_id>/):
+workers) and every error with its traceback (the error that ends a run once, then the log file and the command
+that resumes the run). The rest goes to log files in the run folder (outputs/runs/<run_id>/):
 
     run.log              the driver's Python logging at INFO: Prefect's flow and task lines, our stages' INFO
                          lines, the `console` tracking backend's metric lines, Ray's and transformers' driver
@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from io import StringIO
@@ -45,28 +46,32 @@ LINES = logging.getLogger("flows.console")  # the flow's own lines: on the conso
 
 class QuietFilter(logging.Filter):
     """What a quiet console shows of the log records: errors from anyone, warnings from our code, a task run's
-    failed attempt that Prefect retries (logged at INFO). A failed stage's error comes with its traceback from
-    the task run; the flow run's report of the same error (whose traceback repeats it through Prefect's frames)
-    stays in run.log, and so do Prefect's reports of a Ctrl-C ('Crash detected! Execution was aborted by an
-    interrupt signal.', for the task and for the flow): the command line says it was interrupted, and how to
-    resume (flows/interrupt.py)."""
+    failed attempt that Prefect retries (logged at INFO). A run's error is printed once, by `RunConsole` as it ends
+    the run (`failed`); Prefect's own reports of it stay off the console (`prefect_failure_report`), and so do
+    Prefect's reports of a Ctrl-C ('Crash detected! Execution was aborted by an interrupt signal.', for the task and
+    for the flow): the command line says it was interrupted, and how to resume (flows/interrupt.py)."""
 
-    def __init__(self):
-        super().__init__()
-        self.task_error: str | None = None
+    shown: BaseException | None = None  # the error a RunConsole printed last; one for the process, as the console
 
     def filter(self, record: logging.LogRecord) -> bool:
-        error = repr(record.exc_info[1]) if record.exc_info else None
-        if record.name == "prefect.task_runs" and error:
-            self.task_error = error
-        elif record.name == "prefect.flow_runs" and error and error == self.task_error:
-            return False
-        if record.name in RUN_LOGGERS and INTERRUPTED in record.getMessage():
+        if record.name in RUN_LOGGERS and (INTERRUPTED in record.getMessage() or prefect_failure_report(record)):
             return False
         if record.name == "prefect.task_runs" and record.getMessage().startswith("Task run failed"):
             return True
         ours = record.name.split(".")[0] in PACKAGES or record.name in RUN_LOGGERS
         return record.levelno >= logging.ERROR or (record.levelno >= logging.WARNING and ours)
+
+
+def prefect_failure_report(record: logging.LogRecord) -> bool:
+    """Whether `record` is Prefect's report of an error that the flow prints itself: a task run's 'Task run failed
+    with exception: ...' (with its traceback, when no retry follows) and 'Finished in state Failed(...)' (a task
+    runs only inside a RunConsole, which prints every error that ends the run), or the flow run's 'Encountered
+    exception during execution' (with its traceback through Prefect's frames) of the error a RunConsole showed."""
+    if record.levelno < logging.ERROR:
+        return False  # a retried attempt's 'Task run failed ... Retry 1/1 will start immediately' is INFO
+    if record.name == "prefect.task_runs":
+        return record.getMessage().startswith(("Task run failed", "Finished in state"))
+    return QuietFilter.shown is not None and bool(record.exc_info) and record.exc_info[1] is QuietFilter.shown
 
 
 def console_handlers() -> list[tuple[logging.Logger, logging.Handler]]:
@@ -87,10 +92,11 @@ def hide_chatter() -> None:
 
 
 class RunConsole:
-    """The console and log files of one flow run: a context manager; `line` prints one of the flow's lines."""
+    """The console and log files of one flow run: a context manager; `line` prints one of the flow's lines. An
+    error that ends the run is printed once, with the command that resumes the run (`resume`) where there is one."""
 
-    def __init__(self, run_dir: str | Path, mode: str):
-        self.run_dir, self.quiet = Path(run_dir), mode == "quiet"
+    def __init__(self, run_dir: str | Path, mode: str, resume: str | None = None):
+        self.run_dir, self.quiet, self.resume = Path(run_dir), mode == "quiet", resume
         self.log, self.workers = self.run_dir / "run.log", self.run_dir / "workers"
         self._undo: list[Callable[[], None]] = []
 
@@ -108,11 +114,14 @@ class RunConsole:
             self._plain_ray_prefixes()
         if self.quiet:
             self._silence(file)
-        stdout = logging.StreamHandler(sys.stdout)
-        stdout.setFormatter(logging.Formatter("%(message)s"))
-        stdout.addFilter(RedactFilter())
+        stdout, stderr = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+        stdout.addFilter(lambda record: record.levelno < logging.ERROR)
+        stderr.setLevel(logging.ERROR)  # the run's error (`failed`)
+        for stream in (stdout, stderr):
+            stream.setFormatter(logging.Formatter("%(message)s"))
+            stream.addFilter(RedactFilter())
         # Prefect's API handler too, so the flow run's log in the Prefect UI has these lines (and the table).
-        for handler in [stdout, file, *logging.getLogger("prefect.extra").handlers]:
+        for handler in [stdout, stderr, file, *logging.getLogger("prefect.extra").handlers]:
             self._add(LINES, handler)
         level, propagate = LINES.level, LINES.propagate
         self._undo.append(lambda: (LINES.setLevel(level), setattr(LINES, "propagate", propagate)))
@@ -122,10 +131,21 @@ class RunConsole:
                                              if self.quiet else ""))
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.line(f"logs: {self.where()}")
+    def __exit__(self, _type, error: BaseException | None, _traceback) -> None:
+        if isinstance(error, Exception):  # Ctrl-C: the command line says how to resume (flows/interrupt.py)
+            self.failed(error)
+        else:
+            self.line(f"logs: {self.where()}")
         for undo in reversed(self._undo):
             undo()
+
+    def failed(self, error: Exception) -> None:
+        """The error that ends the run, in full (its traceback, a reward function's from its worker process first:
+        the cause), then where the logs are and how to resume. Prefect's reports of it stay off the console."""
+        QuietFilter.shown = error
+        LINES.error("".join(traceback.format_exception(error)).rstrip("\n"))
+        again = f"; once the cause is fixed, resume (finished stages are cached): {self.resume}" if self.resume else ""
+        self.line(f"logs: {self.where()}{again}")
 
     def where(self) -> str:
         return f"{self.log}" + (f", Ray workers' output in {self.workers}/" if self.quiet else "")

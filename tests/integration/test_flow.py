@@ -8,6 +8,7 @@ output in the run folder, a failing stage's error in full."""
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -162,12 +163,38 @@ def test_a_failing_stage_shows_its_error_in_full_on_the_console(tmp_path):
     message = "ValueError: rl.train_batch_size=512 > 256 training prompts"
     assert console.count("Traceback (most recent call last)") == 1  # the stage's, not repeated by the flow's
     assert re.search(r'File ".*stages/rl_data.py", line \d+, in __init__\n +raise ValueError', console), console
-    assert message in console and re.search(r"^\S+ rl +failed after .*" + message, console, re.M), console
+    assert console.count(message) == 1 and re.search(r"^\S+ rl +failed after .*: ValueError", console, re.M), console
     assert re.search(r"^\S+ sft +ran ", console, re.M)
     infos = [line for line in console.splitlines() if "| INFO" in line]
     assert infos == [], infos  # a bad value fails the same way again: not retried (tasks.stages.transient)
     [run_log] = (tmp_path / "out" / "runs").glob("*/run.log")
     assert f"logs: {run_log}" in console and message in run_log.read_text()
+
+
+def test_a_failing_stage_shows_its_error_once_then_the_logs_and_the_command_that_resumes(tmp_path):
+    """A bad row in the data file: the console showed the error four times (Prefect's task-run line, the stage's line,
+    the flow run's report and its traceback). Now once, in full, then one line with the logs and how to resume."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "What is 2 + 2?"}\n')
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "results")}
+    overrides = _overrides(tmp_path, "data.source=file", f"data.path={path}")
+    done = subprocess.run([sys.executable, "-m", "flows.post_train", *overrides, "--refresh-cache"], cwd=PROJECT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    console = done.stdout
+    assert done.returncode == 1, console
+    message = "row 1 (line 2) of data.jsonl: field 'answer' (mapped by data.columns.answer) is missing"
+    assert console.count(message) == 1, console
+    lines = console.splitlines()
+    failed = next(i for i, line in enumerate(lines) if re.match(r"\S+ data-prep +failed after .*: ValueError", line))
+    assert lines[failed + 1] == "Traceback (most recent call last):", console
+    assert re.search(r'File ".*data/files.py", line \d+, in convert_rows\n +raise ValueError', console), console
+    [run_log] = (tmp_path / "out" / "runs").glob("*/run.log")
+    assert lines[-2].startswith("ValueError: " + message) and lines[-1] == (
+        f"logs: {run_log}, Ray workers' output in {run_log.parent / 'workers'}/; once the cause is fixed, resume "
+        f"(finished stages are cached): {sys.executable} -m flows.post_train {shlex.join(overrides)}"), console
+    assert "| ERROR" not in console and "Finished in state" not in console  # Prefect's reports: run.log only
+    assert "Finished in state Failed" in run_log.read_text() and message in run_log.read_text()
 
 
 def test_constant_rewards_warn_in_console_log_report_and_prefect(tmp_path):

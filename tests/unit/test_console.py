@@ -38,11 +38,19 @@ def test_a_retried_attempt_is_shown():
     assert QuietFilter().filter(retry)
 
 
-def test_flow_run_repeating_a_task_runs_error_is_shown_once():
+def test_prefects_reports_of_a_failure_stay_off_the_console(monkeypatch):
+    """The flow prints the error that ends a run itself (RunConsole.failed); Prefect's reports of it go to run.log."""
+    error = ValueError("bad batch")
+    monkeypatch.setattr(QuietFilter, "shown", error)
+    finished = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Finished in state Failed('Task "
+                                 "run encountered an exception ValueError: bad batch')", None, None)
+    failed = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed with exception: %r - "
+                               "Retries are exhausted", (error,), (ValueError, error, None))  # with its traceback
     quiet = QuietFilter()
-    assert quiet.filter(record("prefect.task_runs", logging.ERROR, ValueError("bad batch")))
-    assert not quiet.filter(record("prefect.flow_runs", logging.ERROR, ValueError("bad batch")))
-    assert quiet.filter(record("prefect.flow_runs", logging.ERROR, KeyError("another")))  # not a stage's error
+    assert not quiet.filter(finished) and not quiet.filter(failed)
+    assert not quiet.filter(record("prefect.flow_runs", logging.ERROR, error))  # 'Encountered exception ...'
+    assert quiet.filter(record("prefect.flow_runs", logging.ERROR, KeyError("another")))  # not printed by the flow
+    assert quiet.filter(record("prefect.flow_runs", logging.ERROR))  # no exception at all
 
 
 @pytest.fixture
@@ -91,6 +99,66 @@ def test_quiet_run_console_sorts_records_and_undoes_everything(tmp_path, capsys,
     assert "after the run" in capsys.readouterr().err
     assert "after the run" not in (tmp_path / "run.log").read_text()
     assert LINES.propagate and LINES.level == logging.NOTSET  # a later caplog sees its lines (rl's resume line)
+
+
+def test_the_error_that_ends_a_run_is_on_the_console_once_with_logs_and_resume_command(tmp_path, capsys, monkeypatch):
+    """What a quiet console showed of a stage that raised: the error three times (Prefect's task-run line, the flow
+    run's report and the end of its traceback). Now once, in full, then the logs and how to resume."""
+    monkeypatch.setattr(QuietFilter, "shown", None)
+    terminal = logging.StreamHandler(sys.stderr)  # Prefect's console handler, quiet all the process (hide_chatter)
+    terminal.addFilter(QuietFilter())
+    logging.getLogger().addHandler(terminal)
+    prefect_task, prefect_flow = logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")
+    said = "rl.train_batch_size=512 > 256 training prompts"
+    try:
+        with pytest.raises(ValueError) as info, RunConsole(tmp_path, "quiet", "python -m flows.post_train x=1"):
+            prefect_task.error(f"Finished in state Failed('Task run encountered an exception ValueError: {said}')",
+                               extra={"task_run_name": "rl-0a1"})
+            raise ValueError(said)
+        prefect_flow.error("Encountered exception during execution: %r", info.value, exc_info=info.value,
+                           extra={"flow_run_name": "devious-bullfinch"})
+    finally:
+        logging.getLogger().removeHandler(terminal)
+    out, err = capsys.readouterr()
+    assert (out + err).count(said) == 1, out + err
+    assert err.startswith("Traceback (most recent call last):") and f"ValueError: {said}" in err
+    assert 'test_console.py", line' in err and "raise ValueError(said)" in err  # the frame that raised
+    assert out.splitlines()[-1] == (f"logs: {tmp_path / 'run.log'}, Ray workers' output in {tmp_path / 'workers'}/; "
+                                    "once the cause is fixed, resume (finished stages are cached): "
+                                    "python -m flows.post_train x=1")
+    log = (tmp_path / "run.log").read_text()
+    assert "Finished in state Failed" in log and f"ValueError: {said}" in log
+
+
+def test_rl_resume_is_a_console_line(tmp_path, capsys):
+    """RL's 'resumed at step N' went to run.log only, so a rerun that started over where a resume was expected looked
+    the same on the console. It is one of the flow's lines now, on the console and in run.log."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from infra.learning_signal import NoSignalMonitor
+    from stages.core import make_kl_controller
+    from stages.rl import RLTrainer
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    kl_ctrl = make_kl_controller("fixed", 0.001, 0.1, 10000)
+    torch.save({"step": 3, "kl_ctrl": kl_ctrl.state_dict(), "python_rng": random.getstate(),
+                "torch_rng": torch.get_rng_state()}, checkpoint / "trainer.pt")
+    trainer = RLTrainer.__new__(RLTrainer)  # resume() alone, on stand-ins for the workers and the store
+    trainer.rl = SimpleNamespace(resume_mode="auto", train_batch_size=8)
+    trainer.checkpoints, trainer.tables = SimpleNamespace(latest=lambda: checkpoint), SimpleNamespace(
+        truncate_after=lambda step: 2)
+    trainer.actor, trainer.critic, trainer.engines = SimpleNamespace(call=lambda *args: None), None, None
+    trainer.kl_ctrl, trainer.no_signal = kl_ctrl, NoSignalMonitor.create(0.9, 3)
+    with RunConsole(tmp_path, "quiet"):
+        trainer.resume()
+    said = f"rl: resumed at step 3 from {checkpoint} (2 partial trajectory files removed)"
+    out, err = capsys.readouterr()
+    assert said in out.splitlines() and said not in err
+    assert said in (tmp_path / "run.log").read_text()
 
 
 def test_verbose_run_console_shows_everything_and_writes_run_log(tmp_path, capsys, chatty_library):
