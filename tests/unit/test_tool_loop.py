@@ -17,8 +17,8 @@ from stages.model.loading import load_tokenizer, tool_turn_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.tools.base import BaseTool, ToolResponse, ToolSchema
 from stages.tools.calculator import CalculatorTool
-from stages.tools.parsers import parse_tool_calls
 from stages.tools.functions import function_tool
+from stages.tools.parsers import parse_tool_calls
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
