@@ -32,12 +32,14 @@ lineage inputs {checkpoint, base_model}; give at least one.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
 import re
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -271,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                           args.lora_alpha)
     report: dict = {"checkpoint": str(source.checkpoint), "step": source.step, "base_model": source.base_model}
     # Merge into a temporary folder next to --out, then rename: --out is complete or absent.
-    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out else None, prefix=".merge-") as tmp:
+    prefix = f".{args.out.name}.merge-" if args.out else ".merge-"
+    if args.out is not None:
+        remove_killed_merges(args.out.parent, prefix)
+    with tempfile.TemporaryDirectory(dir=args.out.parent if args.out else None, prefix=prefix) as tmp:
         result = merge_checkpoint(source, Path(tmp) / "model")
         if args.name is not None:
             report["model"] = str(store_merged(store, source, result, args.name))
@@ -280,6 +285,15 @@ def main(argv: list[str] | None = None) -> int:
             report["out"] = str(args.out)
     print(json.dumps(report))
     return 0
+
+
+def remove_killed_merges(parent: Path, prefix: str) -> None:
+    """The temporary folders that killed merges into the same --out left in parent, once untouched for an hour
+    (as the store's gc treats its own leftovers; a live merge writes its shards as it goes)."""
+    from infra.store_gc import GC_MIN_AGE_S, remove_stale
+
+    found = [path for path in parent.glob(f"{glob.escape(prefix)}*") if path.is_dir()]
+    remove_stale(found, time.time() - GC_MIN_AGE_S, GC_MIN_AGE_S)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -207,11 +208,20 @@ def test_unknown_checkpoint_lists_the_known_ones(full):
 
 def test_command_line_merges_a_checkpoint_into_a_folder_and_the_store(full, probe, init_model, tmp_path):
     out = tmp_path / "cli-merged"
+    # what killed merges left: into this --out an hour ago (removed), into it now (a live one: kept), elsewhere
+    killed, live, other = (tmp_path / name for name in (".cli-merged.merge-a1", ".cli-merged.merge-b2", ".x.merge-c3"))
+    for folder in (killed, live, other):
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / "part").write_bytes(b"0")
+    for path in (killed, killed / "model", killed / "model" / "part", other / "model" / "part"):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
     proc = subprocess.run(
         [sys.executable, "-m", "stages.merge", "--root", full.store.root, "--checkpoint", full.name, "--out", str(out),
          "--name", "rl-merged"], cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not killed.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.glob(".cli-merged.merge-*")) == [live.name]  # its own temp folder gone
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["checkpoint"] == str(full.checkpoint) and report["out"] == str(out)
     [manifest] = full.store.versions("model", "rl-merged")
