@@ -8,6 +8,7 @@ downloads): it goes once untouched (the newest mtime in it) for ``temp_min_age_s
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -93,6 +94,12 @@ def remove_stale(paths: list[Path], cutoff: float, min_age_s: float) -> list[str
             if not path.exists():  # rmtree ignored its errors: report what is really gone
                 removed.append(str(path))
     return removed
+
+
+def remove_stale_beside(parent: Path, prefix: str, min_age_s: float) -> list[str]:
+    """Remove what killed writers left in parent under names starting with prefix (a partial download's, a merge's
+    temporary folder), once untouched for min_age_s; -> those really gone."""
+    return remove_stale(list(parent.glob(f"{glob.escape(prefix)}*")), time.time() - min_age_s, min_age_s)
 
 
 class GarbageCollection:

@@ -28,17 +28,15 @@ arbitrary objects (stages/model/safe_load.py): a forged checkpoint can hold wron
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, copy_problems, file_problems, file_sha256, stream_sha256
 from infra.store_base import PARTIAL
-from infra.store_gc import remove_stale
+from infra.store_gc import remove_stale_beside
 
 logger = logging.getLogger("infra.store")  # the store's one logger, whichever of its files speaks
 
@@ -109,9 +107,7 @@ class VerifiedReads:
     def _remove_stale_partials(self, dest: Path) -> None:
         """Remove the partial downloads into dest that killed processes left beside it, once untouched for
         temp_min_age_s (as gc does in the cache; a live download writes as the bytes arrive)."""
-        found = [Path(p) for p in glob.glob(f"{glob.escape(str(dest.parent))}/.{glob.escape(dest.name)}{PARTIAL}*")]
-        if found:
-            remove_stale(found, time.time() - self.temp_min_age_s, self.temp_min_age_s)
+        remove_stale_beside(dest.parent, f".{dest.name}{PARTIAL}", self.temp_min_age_s)
 
     def _download(self, manifest: Manifest, target: Path) -> None:
         """Copy the version's files into target, checking names, sizes and sha256 against the manifest."""

@@ -32,14 +32,12 @@ lineage inputs {checkpoint, base_model}; give at least one.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import os
 import re
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,10 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 def remove_killed_merges(parent: Path, prefix: str) -> None:
     """The temporary folders that killed merges into the same --out left in parent, once untouched for an hour
     (as the store's gc treats its own leftovers; a live merge writes its shards as it goes)."""
-    from infra.store_gc import GC_MIN_AGE_S, remove_stale
+    from infra.store_gc import GC_MIN_AGE_S, remove_stale_beside
 
-    found = [path for path in parent.glob(f"{glob.escape(prefix)}*") if path.is_dir()]
-    remove_stale(found, time.time() - GC_MIN_AGE_S, GC_MIN_AGE_S)
+    remove_stale_beside(parent, prefix, GC_MIN_AGE_S)
 
 
 if __name__ == "__main__":
