@@ -5,7 +5,9 @@ artifacts (and the store as resolved: `store_identity`), so changing an unrelate
 re-run SFT, plus the content of every local file the stage reads through a path (data files, a reward function
 file, a local model folder: `content_digest`), so replacing a file behind the same path is a cache miss. A cached
 result that names an artifact the store no longer holds (deleted as corrupt, or by hand) is a cache miss
-(`live_key`). Code changes do not invalidate the cache (every manifest records the code version).
+(`live_key`). Code changes do not invalidate the cache (every manifest records the code version), so that a refactor
+never re-runs a day of RL; a fix that changes what a stage writes for the same config and inputs bumps the stage's
+entry in `OUTPUT_VERSIONS` instead, and results cached before it are not reused.
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ from infra.config import Config, config_hash  # noqa: E402
 from infra.config_sections import StorageConfig  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
 
+# What each stage's output is, as far as the cache is concerned; a stage not named here is at 1. Bump one when a fix
+# changes the stage's output for the same config and inputs. merge 2: merged models are cast to the run's dtype
+# (before: float32 whatever model.dtype said).
+OUTPUT_VERSIONS = {"merge": 2}
+
 
 def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str, ...] = ()) -> Callable:
-    """A Prefect cache_key_fn over the stage's config sections and its input artifact refs."""
+    """A Prefect cache_key_fn over the stage's config sections, its input artifact refs and its OUTPUT_VERSIONS."""
+    prefix = stage if OUTPUT_VERSIONS.get(stage, 1) == 1 else f"{stage}-v{OUTPUT_VERSIONS[stage]}"
 
     def key_fn(context: TaskRunContext | None, params: dict) -> str:
         cfg: Config = params["cfg"]
-        key = f"{stage}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
+        key = f"{prefix}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
         return live_key(key, cfg, context.result_store) if context else key  # None: called outside a task run
 
     return key_fn

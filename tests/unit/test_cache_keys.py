@@ -144,3 +144,23 @@ def test_every_artifact_ref_in_a_cached_evaluation_record_is_checked():
               "eval": "eval/base@fedcba9876543210", "engine": "hf", "acc": 0.5}
     assert [str(ref) for ref in cache_keys._artifact_refs(record)] == ["dataset/gsm8k@0123456789abcdef",
                                                                     "eval/base@fedcba9876543210"]
+
+
+def test_a_stage_whose_output_changed_does_not_reuse_results_cached_before(monkeypatch):
+    """Merge results cached before merges were cast to the run's dtype were float32 models: with merge at output
+    version 2 its key is not the old one, and bumping a stage moves that stage's key only."""
+    cfg = load_config(None, [])
+    params = {"cfg": cfg, "checkpoint": "checkpoint/rl-x@0123456789abcdef", "base_model": "model/sft@0123456789abcdef"}
+    merge_key = stages.merge_task.cache_key_fn(None, params)
+    inputs = [params["checkpoint"], params["base_model"]]
+    old_key = f"merge-{cache_keys.stage_hash(cfg, cache_keys.merge_sections, inputs)}"
+    assert merge_key.startswith("merge-v2-") and merge_key != old_key
+    before = keys(cfg, "model/sft@0123456789abcdef")
+
+    monkeypatch.setitem(cache_keys.OUTPUT_VERSIONS, "sft", 2)
+    rebuilt = {name: cache_keys.stage_key(name, cache_keys.sft_sections if name == "sft" else cache_keys.data_sections,
+                                          ("dataset", "base_model") if name == "sft" else ())
+               for name in ("sft", "data-prep")}
+    params.update(dataset="dataset/file@0123456789abcdef")
+    assert rebuilt["sft"](None, params) != before["sft"]
+    assert rebuilt["data-prep"](None, params) == before["data"]
