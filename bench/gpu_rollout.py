@@ -221,8 +221,8 @@ def main() -> None:
         res.attempt("decode_step", measure_step, res, engine, model, concurrency, lo, hi + max_tokens - 64, ceilings)
         if args.profile:
             res.attempt("profile", profile_decode, engine, lo, hi + max_tokens - 64, res.out)
-    res.attempt("correctness", lambda: res.add("correctness", agreement(
-        model, engine, prompts[:8], c.eos_token_id, c.pad_token_id, min(64, max_tokens))))
+    res.attempt("correctness", lambda e=engine: res.add("correctness", agreement(  # bound: `del engine` below
+        model, e, prompts[:8], c.eos_token_id, c.pad_token_id, min(64, max_tokens))))
     res.attempt("correctness", lambda: res.add("correctness", logprob_gap(
         model, outs, prompts, c.pad_token_id, params.temperature)))
     del engine

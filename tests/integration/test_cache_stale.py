@@ -2,7 +2,6 @@
 corrupt, as the store's error tells the user to), the next flow run must run the task again rather than hand the
 next stage a ref it cannot read (tasks/stages.py `live_key`), through Prefect's own cache (a temporary server)."""
 
-from pathlib import Path
 
 import pytest
 from prefect import flow

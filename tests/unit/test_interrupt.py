@@ -66,7 +66,6 @@ def test_prefects_server_process_leads_its_own_group_and_ends_with_its_parent(tm
     """What start_prefect_server gives Prefect's server: Ctrl-C in the terminal (the foreground process group) does
     not reach it; SIGKILL of its parent ends it (parent-death signal), as sharing the group did."""
     import os
-    import signal
     import subprocess
     import time
 
