@@ -23,6 +23,8 @@ original stderr, which Ray streams to the driver's console.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
@@ -42,6 +44,7 @@ WORKER_HOOK = "infra.console.redirect_worker_output"
 FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | {} - %(message)s"  # Prefect's, for one look in every log
 INTERRUPTED = "aborted by an interrupt signal"  # Prefect's words for a KeyboardInterrupt in a flow or task run
 LINES = logging.getLogger("flows.console")  # the flow's own lines: on the console in both modes, and in run.log
+WHOLE = logging.getLogger("flows.run_log")  # run.log only: the whole traceback of the error that ended the run
 
 
 class QuietFilter(logging.Filter):
@@ -71,7 +74,42 @@ def prefect_failure_report(record: logging.LogRecord) -> bool:
         return False  # a retried attempt's 'Task run failed ... Retry 1/1 will start immediately' is INFO
     if record.name == "prefect.task_runs":
         return record.getMessage().startswith(("Task run failed", "Finished in state"))
+    return shown_error_report(record)
+
+
+def shown_error_report(record: logging.LogRecord) -> bool:
+    """Whether `record` carries the error a RunConsole printed (the flow run's 'Encountered exception')."""
     return QuietFilter.shown is not None and bool(record.exc_info) and record.exc_info[1] is QuietFilter.shown
+
+
+def not_shown_error(record: logging.LogRecord) -> bool:
+    return not shown_error_report(record)
+
+
+MACHINERY = tuple(os.path.dirname(module.__file__) + os.sep for module in (asyncio, concurrent.futures))
+
+
+def format_error(error: BaseException) -> list[str]:
+    """traceback.format_exception(error), with each run of frames in Prefect's engine (and the asyncio and
+    concurrent.futures calls it makes) that lies between two other frames cut to one line: ~13 frames between the
+    flow's call of a stage and the stage's task. Frames at the end of a traceback (an error raised inside Prefect)
+    are kept."""
+    import prefect
+
+    machinery = (*MACHINERY, os.path.dirname(prefect.__file__) + os.sep)
+    chunks, cut = [], []
+    for chunk in traceback.TracebackException.from_exception(error).format():
+        if chunk.startswith('  File "') and chunk[len('  File "'):].startswith(machinery):
+            cut.append(chunk)
+            continue
+        if cut and chunk.startswith('  File "'):
+            frames = "1 frame" if len(cut) == 1 else f"{len(cut)} frames"
+            chunks.append(f"  [{frames} of Prefect's engine: run.log has the whole traceback]\n")
+        elif cut:
+            chunks.extend(cut)  # the traceback ends in them: kept
+        chunks.append(chunk)
+        cut = []
+    return chunks + cut
 
 
 def console_handlers() -> list[tuple[logging.Logger, logging.Handler]]:
@@ -109,6 +147,7 @@ class RunConsole:
                                            flow_run_fmt=FORMAT.format("Flow run %(flow_run_name)r"),
                                            task_run_fmt=FORMAT.format("Task run %(task_run_name)r")))
         self._add(logging.getLogger(), file)
+        self._add(WHOLE, file)
         self._redact_everywhere()
         if not sys.stderr.isatty() and "RAY_COLOR_PREFIX" not in os.environ:
             self._plain_ray_prefixes()
@@ -123,10 +162,12 @@ class RunConsole:
         # Prefect's API handler too, so the flow run's log in the Prefect UI has these lines (and the table).
         for handler in [stdout, stderr, file, *logging.getLogger("prefect.extra").handlers]:
             self._add(LINES, handler)
-        level, propagate = LINES.level, LINES.propagate
-        self._undo.append(lambda: (LINES.setLevel(level), setattr(LINES, "propagate", propagate)))
-        LINES.setLevel(logging.INFO)
-        LINES.propagate = False
+        for logger in (LINES, WHOLE):
+            level, propagate = logger.level, logger.propagate
+            self._undo.append(lambda logger=logger, level=level, propagate=propagate: (
+                logger.setLevel(level), setattr(logger, "propagate", propagate)))
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
         self.line(f"logs: {self.where()}" + ("; tracking.console=verbose or --verbose shows them here"
                                              if self.quiet else ""))
         return self
@@ -141,9 +182,16 @@ class RunConsole:
 
     def failed(self, error: Exception) -> None:
         """The error that ends the run, in full (its traceback, a reward function's from its worker process first:
-        the cause), then where the logs are and how to resume. Prefect's reports of it stay off the console."""
+        the cause; runs of Prefect's frames between ours cut to one line), then where the logs are and how to resume.
+        Prefect's reports of it stay off the console, also the flow run's after this RunConsole ends (a deployment's
+        run: no `hide_chatter`), in quiet mode. run.log has the whole traceback as well."""
         QuietFilter.shown = error
-        LINES.error("".join(traceback.format_exception(error)).rstrip("\n"))
+        if self.quiet:
+            for _, handler in console_handlers():
+                handler.addFilter(not_shown_error)  # once per handler (a Filterer keeps no duplicates)
+        LINES.error("".join(format_error(error)).rstrip("\n"))
+        WHOLE.error("the whole traceback of the error above:\n%s",
+                    "".join(traceback.format_exception(error)).rstrip("\n"))
         again = f"; once the cause is fixed, resume (finished stages are cached): {self.resume}" if self.resume else ""
         self.line(f"logs: {self.where()}{again}")
 

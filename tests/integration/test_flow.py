@@ -134,12 +134,18 @@ def test_bad_config_fails_before_any_stage(post_train, tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-def test_dataset_missing_ground_truth_fails_and_leaves_no_artifact(post_train, tmp_path):
+def test_dataset_missing_ground_truth_fails_and_leaves_no_artifact(post_train, tmp_path, capfd):
+    """Called from Python, as a deployment's run calls it: the error is on the console once, Prefect's engine frames
+    cut to one line (the flow run's own report of it showed it a second time)."""
     rows = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "What is 2 + 2?"}]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capfd.readouterr()
     with pytest.raises(ValueError, match=r"row 1 .*'answer'"):
         post_train(None, _overrides(tmp_path, "data.source=file", f"data.path={path}"))
+    console = "".join(capfd.readouterr())
+    assert console.count("Traceback (most recent call last)") == 1 and "Encountered exception" not in console
+    assert re.search(r"\[\d+ frames of Prefect's engine: run.log has the whole traceback\]", console), console
     store = ArtifactStore(str(tmp_path / "store"))
     assert store.artifacts() == []
     assert not list((tmp_path / "store").glob(".staging/*"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.console import LINES, WORKER_LOG_ENV, QuietFilter, RunConsole
+from infra.console import LINES, WORKER_LOG_ENV, QuietFilter, RunConsole, format_error
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -128,6 +128,56 @@ def test_the_error_that_ends_a_run_is_on_the_console_once_with_logs_and_resume_c
                                     "python -m flows.post_train x=1")
     log = (tmp_path / "run.log").read_text()
     assert "Finished in state Failed" in log and f"ValueError: {said}" in log
+
+
+def test_a_deployments_run_shows_its_error_once(tmp_path, capsys, monkeypatch):
+    """A run that no command line started (a deployment's, or post_train called from Python) has no hide_chatter:
+    the flow run's 'Encountered exception' and its traceback, logged after the RunConsole ended, showed the error a
+    second time. They stay in Prefect's own log (the API's) and off the terminal."""
+    monkeypatch.setattr(QuietFilter, "shown", None)
+    terminal = logging.StreamHandler(sys.stderr)  # Prefect's console handler, with no filter of ours
+    logging.getLogger().addHandler(terminal)
+    said = "row 1 (line 2) of data.jsonl: field 'answer' is missing"
+    try:
+        with pytest.raises(ValueError) as info, RunConsole(tmp_path, "quiet"):
+            raise ValueError(said)
+        logging.getLogger("prefect.flow_runs").error("Encountered exception during execution: %r", info.value,
+                                                     exc_info=info.value, extra={"flow_run_name": "x"})
+        logging.getLogger("prefect.flow_runs").error("another error", exc_info=ValueError("later"))
+    finally:
+        logging.getLogger().removeHandler(terminal)
+    err = capsys.readouterr().err
+    assert err.count(said) == 1 and "another error" in err, err
+
+
+def raise_through_prefect(error: Exception):
+    from prefect.utilities.callables import call_with_parameters
+
+    def stage():
+        raise error
+
+    call_with_parameters(stage, {})
+
+
+def test_prefects_frames_between_ours_are_cut_to_one_line_and_run_log_has_them_all(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(QuietFilter, "shown", None)
+    with pytest.raises(ValueError), RunConsole(tmp_path, "quiet"):
+        raise_through_prefect(ValueError("bad row"))
+    err = capsys.readouterr().err
+    assert "in raise_through_prefect\n" in err and "in stage\n" in err and "raise error" in err
+    assert "prefect/utilities/callables" not in err, err
+    assert "  [1 frame of Prefect's engine: run.log has the whole traceback]\n  File " in err, err
+    log = (tmp_path / "run.log").read_text()
+    assert "the whole traceback of the error above:" in log and "prefect/utilities/callables" in log
+
+
+def test_a_traceback_that_ends_in_prefect_keeps_those_frames():
+    with pytest.raises(TypeError) as info:  # raised by Prefect's own call of the function
+        from prefect.utilities.callables import call_with_parameters
+
+        call_with_parameters(lambda: None, {"unexpected": 1})
+    text = "".join(format_error(info.value))
+    assert "frame of Prefect" not in text and "prefect/utilities/callables" in text, text
 
 
 def test_rl_resume_is_a_console_line(tmp_path, capsys):
