@@ -221,6 +221,10 @@ def preflight(cfg: Config) -> None:
                                                                          else None)):
         if path and path.startswith(local) and not Path(path).expanduser().exists():
             raise ConfigError(f"{field}={path}: no such file or folder")
+    if cfg.model.path != "tiny":
+        _check_hub_model("model.path", cfg.model.path)
+    if cfg.rl.enabled and cfg.rl.reward.reward_model_path:
+        _check_hub_model("rl.reward.reward_model_path", cfg.rl.reward.reward_model_path)
     if cfg.data.source == "file":
         try:
             check_columns(cfg.data)  # a layout that data prep would refuse, named now
@@ -233,6 +237,24 @@ def preflight(cfg: Config) -> None:
             load_reward_fn(reward.custom_path, reward.custom_function)
         except ValueError as exc:
             raise ConfigError(f"rl.reward.custom_path={reward.custom_path}: {exc}") from exc
+
+
+def _check_hub_model(field: str, path: str) -> None:
+    """A model path that is no local folder must be a hub id the run can fetch: 'name' or 'org/name', and, with
+    HF_HUB_OFFLINE set, already in the local Hugging Face cache. Else the base-model stage failed with the hub's
+    words, after data prep."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(path).expanduser().exists():
+        return
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise ConfigError(f"{field}={path}: no such local folder, and not a hub id ('name' or 'org/name')") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise ConfigError(f"{field}={path}: HF_HUB_OFFLINE is set and the local Hugging Face cache has no copy of "
+                          "it; download it first (huggingface-cli download) or point the field at a local folder")
 
 
 def _check_local_cluster(cfg: Config) -> None:

@@ -33,8 +33,33 @@ def test_a_reward_function_that_is_not_in_its_file(store, tmp_path):
         preflight(cfg)
 
 
-def test_a_hub_id_and_the_defaults_pass(store):
+def test_a_hub_id_and_the_defaults_pass(store, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tests' environment sets it
     preflight(load_config(None, [store, "model.path=Qwen/Qwen2.5-0.5B-Instruct"]))
+
+
+@pytest.mark.parametrize("field", ["model.path", "rl.reward.reward_model_path"])
+def test_a_model_path_that_is_neither_a_folder_nor_a_hub_id(store, field):
+    """'models/qwen/v2' (a relative folder that is not there) went to the hub, which refused it after data prep."""
+    with pytest.raises(ConfigError, match=rf"{field}=models/qwen/v2: no such local folder, and not a hub id"):
+        preflight(load_config(None, [store, "rl.enabled=true", f"{field}=models/qwen/v2"]))
+
+
+def test_offline_a_hub_id_must_be_in_the_local_cache(store, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=r"model\.path=Qwen/Qwen2\.5-0\.5B: HF_HUB_OFFLINE is set and the local"):
+        preflight(load_config(None, [store, "model.path=Qwen/Qwen2.5-0.5B"]))
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    preflight(load_config(None, [store, "model.path=Qwen/Qwen2.5-0.5B"]))  # cached: passes
 
 
 def test_an_unwritable_store_exits_2_and_writes_no_run_folder(tmp_path, capsys):
