@@ -5,16 +5,19 @@ train the same run, in the same checkpoints and trajectory partitions. The first
 `leases/<name>.json` (created only if absent: `ArtifactStore.create_exclusive`) and renews it every
 `HEARTBEAT_S` seconds from a thread; the second waits, saying so once, and takes it when the first is done
 (then its stage resumes from the first's final checkpoint: no work is repeated) or when the holder's
-heartbeat is older than `TTL_S` or its process is gone on this host (a killed flow: its lease is stale).
+heartbeat is older than `TTL_S` or its process is gone on this host (a killed flow: its lease is stale). The age of
+a record from another host is never read from its time, which that host's clock wrote (a clock minutes behind made
+a live lease look stale): it is how long this waiter has seen the same record unchanged, on its own clock.
 
 Taking over a stale lease deletes it and creates a new one. Two waiters that read the same stale record must not
 both do that (the second would delete the first's fresh lease): a taker first creates the marker
 `leases/<name>.json.taken-<hash of the record>` exclusively, and deletes the lease only if it still holds the
 record it read. A marker outlives its taker's few milliseconds only if the taker was killed in between; one
-older than `TTL_S` (by its own time, or since a waiter first read it) is removed, and the waiters sleep `POLL_S`
-meanwhile. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM) and whose lease was
-taken over finds another owner at its next renewal: it writes nothing more to the lease, and `check(name)`, which
-the stage's checkpoints and tables call before they write, raises `LeaseLost`, so two flows never train one run.
+older than `TTL_S` (by its own time when this host wrote it, else since a waiter first read it) is removed, and
+the waiters sleep `POLL_S` meanwhile. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM)
+and whose lease was taken over finds another owner at its next renewal: it writes nothing more to the lease, and
+`check(name)`, which the stage's checkpoints and tables call before they write, raises `LeaseLost`, so two flows
+never train one run.
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ def _record(owner: str) -> bytes:
                        "renewed": time.time()}).encode()
 
 
+def _marker_record() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "renewed": time.time()}).encode()
+
+
 def _read_raw(store: ArtifactStore, path: str) -> bytes | None:
     try:
         return store.read_bytes(path)
@@ -94,22 +101,32 @@ def _read_raw(store: ArtifactStore, path: str) -> bytes | None:
         return None
 
 
-def _parse(raw: bytes, first_seen: float) -> dict:
-    """The record; an unreadable one (a torn write) counts as renewed when this process first saw it."""
+def _parse(raw: bytes) -> dict:
+    """The record; an unreadable one (a torn write) has no host, so it ages from when a waiter first saw it."""
     try:
         record = json.loads(raw)
     except ValueError:
         record = None
-    return record if isinstance(record, dict) else {"owner": "unknown (unreadable lease)", "renewed": first_seen}
+    return record if isinstance(record, dict) else {"owner": "unknown (unreadable lease)"}
 
 
 def _read(store: ArtifactStore, path: str) -> dict | None:
     raw = _read_raw(store, path)
-    return None if raw is None else _parse(raw, time.time())
+    return None if raw is None else _parse(raw)
 
 
-def is_stale(record: dict) -> bool:
-    if time.time() - record.get("renewed", 0) > TTL_S:
+def age_s(record: dict, first_seen: float) -> float:
+    """Seconds since `record` was written: by its own time when this host wrote it (one clock), else since this
+    process first saw it unchanged (`first_seen`, time.monotonic()), so another host's clock never counts."""
+    renewed = record.get("renewed")
+    if record.get("host") == socket.gethostname() and isinstance(renewed, (int, float)):
+        return time.time() - renewed
+    return time.monotonic() - first_seen
+
+
+def is_stale(record: dict, first_seen: float) -> bool:
+    """Whether the lease `record` (first seen unchanged at `first_seen`, time.monotonic()) has lost its holder."""
+    if age_s(record, first_seen) > TTL_S:
         return True
     if record.get("host") != socket.gethostname() or "pid" not in record:
         return False
@@ -120,13 +137,13 @@ def is_stale(record: dict) -> bool:
 
 
 def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
-    said, seen = False, {}  # seen: raw record -> when this process first read it
+    said, seen = False, {}  # seen: raw record -> when this process first read it (time.monotonic())
     while not store.create_exclusive(path, _record(owner)):
         raw = _read_raw(store, path)
         if raw is None:
             continue  # released between our two calls
-        record = _parse(raw, seen.setdefault(raw, time.time()))
-        if record.get("owner") == owner or is_stale(record):
+        record = _parse(raw)
+        if record.get("owner") == owner or is_stale(record, seen.setdefault(raw, time.monotonic())):
             if _take_over(store, path, raw, seen):
                 logger.warning("%s: took over the lease of %s (its holder is gone)", path, record.get("owner"))
             else:
@@ -145,9 +162,9 @@ def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
 
 def _take_over(store: ArtifactStore, path: str, raw: bytes, seen: dict[bytes, float] | None = None) -> bool:
     """Delete the stale lease `raw` unless another waiter is taking it over or has done so already; -> whether this
-    one deleted it. seen: marker contents -> when this process first read them (for one without a time)."""
+    one deleted it. seen: marker contents -> when this process first read them (time.monotonic())."""
     marker = f"{path}.taken-{hashlib.sha256(raw).hexdigest()[:16]}"
-    if not store.create_exclusive(marker, json.dumps({"renewed": time.time()}).encode()):
+    if not store.create_exclusive(marker, _marker_record()):
         _drop_abandoned(store, marker, {} if seen is None else seen)
         return False  # another waiter is taking over this record: the next create_exclusive decides
     try:
@@ -165,9 +182,7 @@ def _drop_abandoned(store: ArtifactStore, marker: str, seen: dict[bytes, float])
     raw = _read_raw(store, marker)
     if raw is None:
         return
-    first_seen = seen.setdefault(raw, time.time())
-    renewed = _parse(raw, first_seen).get("renewed")  # a marker without a time (older code wrote {}) ages from
-    if time.time() - (renewed if isinstance(renewed, (int, float)) else first_seen) > TTL_S:  # its first sight
+    if age_s(_parse(raw), seen.setdefault(raw, time.monotonic())) > TTL_S:
         logger.warning("%s: removing a take-over marker older than %.0f s (its taker is gone)", marker, TTL_S)
         if _read_raw(store, marker) == raw:
             store.delete_table_file(marker)

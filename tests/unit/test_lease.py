@@ -60,11 +60,40 @@ def test_the_lease_of_a_dead_process_is_taken_over(tmp_path):
         assert json.loads(store.read_bytes("leases/sft-k.json"))["owner"] == "flow-3"
 
 
-def test_a_silent_holder_is_stale_after_the_ttl(monkeypatch):
-    record = {"owner": "elsewhere", "host": "another-host", "pid": 1, "renewed": time.time()}
-    assert not lease.is_stale(record)  # another host's live-looking lease is respected
-    record["renewed"] -= lease.TTL_S + 1
-    assert lease.is_stale(record)
+def test_a_silent_holder_is_stale_after_the_ttl():
+    mine = json.loads(lease._record("here"))
+    assert not lease.is_stale(mine, time.monotonic())
+    mine["renewed"] -= lease.TTL_S + 1  # this host's clock wrote it: its own time counts
+    assert lease.is_stale(mine, time.monotonic())
+    # Another host's time is never compared with ours: its clock may be minutes off. Its record is stale once seen
+    # unchanged for TTL_S here.
+    other = {"owner": "elsewhere", "host": "another-host", "pid": 1, "renewed": time.time() - 10 * lease.TTL_S}
+    assert not lease.is_stale(other, time.monotonic())
+    assert lease.is_stale(other, time.monotonic() - lease.TTL_S - 1)
+
+
+def test_a_live_holder_on_a_host_whose_clock_is_behind_keeps_its_lease(tmp_path, monkeypatch):
+    """A holder on another host whose clock is 10 minutes behind ours: its renewals' times all look older than TTL_S
+    here, and a waiter took the live lease over at once. Now the waiter waits while the record keeps changing, and
+    takes over only once it stops changing for TTL_S."""
+    monkeypatch.setattr(lease, "TTL_S", 0.5)
+    store = ArtifactStore(str(tmp_path / "store"))
+    path, stop = "leases/rl-skew.json", threading.Event()
+
+    def renew():
+        while not stop.wait(0.05):
+            store.write_bytes(path, json.dumps({"owner": "far-flow", "host": "another-host", "pid": 1,
+                                                "renewed": time.time() - 600}).encode())
+
+    store.write_bytes(path, json.dumps({"owner": "far-flow", "host": "another-host", "pid": 1, "renewed": 0}).encode())
+    holder = threading.Thread(target=renew)
+    holder.start()
+    threading.Timer(1.5, stop.set).start()  # the far holder lives 3 TTLs, then dies
+    start = time.monotonic()
+    with lease.stage_lease(store, "rl-skew", "flow-near"):
+        waited_s = time.monotonic() - start
+    holder.join()
+    assert 1.4 + lease.TTL_S <= waited_s < 5, waited_s  # its last renewal was at 1.45-1.5 s (the old code: ~0 s)
 
 
 def test_the_holder_renews_its_lease(tmp_path):
@@ -194,10 +223,11 @@ def test_a_marker_with_a_recent_time_is_respected(tmp_path):
     path, stale = "leases/rl-n.json", _stale("gone")
     store.write_bytes(path, stale)
     marker = f"{path}.taken-{hashlib.sha256(stale).hexdigest()[:16]}"
-    assert store.create_exclusive(marker, json.dumps({"renewed": time.time()}).encode())
+    assert store.create_exclusive(marker, lease._marker_record())
     assert not lease._take_over(store, path, stale, {})  # a taker is at work: leave the lease to it
     assert store.read_bytes(path) == stale and store.read_bytes(marker)
-    store.write_bytes(marker, json.dumps({"renewed": time.time() - lease.TTL_S - 1}).encode())
+    old = {**json.loads(lease._marker_record()), "renewed": time.time() - lease.TTL_S - 1}
+    store.write_bytes(marker, json.dumps(old).encode())
     assert not lease._take_over(store, path, stale, {})  # its taker died: the marker goes, the next round takes over
     assert store.glob("leases/*") == [path]
     assert lease._take_over(store, path, stale, {}) and store.glob("leases/*") == []
