@@ -90,7 +90,7 @@ def decode_step_seconds(engine, low: int, high: int) -> dict:
     """One decode step at full batch: graph replay and eager (the difference is launch overhead)."""
     b, mode = engine.max_num_seqs, SamplingMode(False)
     fill_slots(engine, low, high)
-    graph = engine._graph(b, engine.decoder.max_len, mode)
+    graph, _ = engine.graphs.get(b, engine.decoder.max_len, mode)
     replay = cuda_time(lambda: [graph.replay() for _ in range(10)], warmup=1, repeat=5) / 10
     fill_slots(engine, low, high)
     eager = cuda_time(lambda: [engine._decode_step(b, engine.decoder.max_len, mode) for _ in range(5)], warmup=1,

@@ -27,9 +27,11 @@ Deviations from vLLM: no paged KV cache (each slot holds `max_model_len` positio
 whole finished sequences (not shared between prompts with a common start), no chunked prefill; admission is by
 whole prompts (all n samples together).
 
-Kernels: on CUDA with Triton, the decode step's rotation and K/V write are one kernel, its attention is
-split-KV flash-decoding and sampling one pass over the logits plus a small draw (triton_kernels.py); the other
-pointwise work between matmuls is torch.compile'd (cuda_model.py).
+Kernels: on CUDA with Triton, the decode step's rotation, K/V write and attention are one kernel, a program per
+(sequence, KV head), from 128 such pairs on; below that the rotation and K/V write are one kernel and attention is
+split-KV flash-decoding. Sampling is one pass over the logits plus a small draw (triton_kernels.py); the other
+pointwise work between matmuls is torch.compile'd (cuda_model.py). Graph capture and replay: cuda_graphs.py;
+the slots' state: cuda_slots.py.
 Sampling and logprobs: stages/rollout/sampling.py (the convention of base.py). With the same seed,
 prompts, weights and engine settings, outputs are identical (graphs are captured with the RNG state and
 the slot counters saved and restored); the fused sampler's draws are keyed by a seed drawn from torch's
@@ -49,44 +51,13 @@ import torch.distributed as dist
 
 from stages.model.policy import hf_parts
 from stages.rollout.base import RolloutOutput, SamplingParams
+from stages.rollout.cuda_graphs import DecodeGraphs
 from stages.rollout.cuda_model import Decoder
+from stages.rollout.cuda_slots import MAX_STOP_TOKENS, Slots, batch_buckets, trim
 from stages.rollout.prefix_cache import PrefixIndex
 from stages.rollout.sampling import Sampler, SamplingMode
 
 logger = logging.getLogger(__name__)
-
-MAX_STOP_TOKENS = 8
-
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 32, then every 16: under 16 padding rows, under 12% from 128 rows on."""
-    sizes = [1, 2, 4, 8, 16, 24, 32, *range(48, max_num_seqs + 16, 16)]
-    return sorted({min(s, max_num_seqs) for s in sizes})
-
-
-class _Slots:
-    """Per-slot state on the device (fixed addresses: the captured graphs read and write them)."""
-
-    def __init__(self, num_slots: int, width: int, device: torch.device):
-        kw = {"device": device, "dtype": torch.long}
-        self.token = torch.zeros(num_slots, **kw)
-        self.pos = torch.zeros(num_slots, **kw)
-        self.gen = torch.zeros(num_slots, **kw)
-        self.done = torch.ones(num_slots, device=device, dtype=torch.bool)
-        self.out_tokens = torch.zeros(num_slots, width, **kw)
-        self.out_logprobs = torch.zeros(num_slots, width, device=device)
-        self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, **kw)
-        self.limit = torch.zeros(num_slots, **kw)  # tokens a slot may generate: max_tokens, or less near max_model_len
-        self.rows = torch.arange(num_slots, device=device)
-
-    def rows_state(self) -> tuple[torch.Tensor, ...]:
-        return self.token, self.pos, self.gen, self.done, self.limit, self.out_tokens, self.out_logprobs
-
-    def reset_from(self, start: int) -> None:
-        """Free slots: position 0, nothing generated, done (their padding-row writes stay in range)."""
-        for t, value in ((self.token, 0), (self.pos, 0), (self.gen, 0), (self.done, True)):
-            t[start:].fill_(value)
-
 
 class CudaRolloutEngine:
     """RolloutEngine (base.py) over a transformers Qwen2/Llama model; fast on CUDA, correct anywhere.
@@ -145,10 +116,10 @@ class CudaRolloutEngine:
         self.release_memory_on_sleep = (_large_cache(self.decoder.kv_bytes(), self.device)
                                         if release_memory_on_sleep is None else release_memory_on_sleep)
         self.sampler = Sampler(self.device, on_cuda if compile is None else compile, fused_sampling)
-        self.slots = _Slots(max_num_seqs, kv_len, self.device)
+        self.slots = Slots(max_num_seqs, kv_len, self.device)
         self.buckets = batch_buckets(max_num_seqs)
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        s = self.slots
+        self.graphs = DecodeGraphs(self._decode_step, (s.token, s.pos, s.gen, s.done, self.sampler.seed), self.device)
         self.stats: dict[str, float] = {}
         self.prefix_cache_rows = prefix_cache_rows
         self.prefix = PrefixIndex(prefix_cache_rows, max_model_len) if prefix_cache_rows else None
@@ -174,8 +145,7 @@ class CudaRolloutEngine:
 
     def sleep(self) -> None:
         if self.release_memory_on_sleep:
-            self._graphs.clear()
-            self._pool = None  # the graphs held the pool: capturing into its stale handle trips the allocator
+            self.graphs.clear()
             self.decoder.free_cache()
             if self.prefix is not None:
                 self.prefix.clear()
@@ -326,7 +296,9 @@ class CudaRolloutEngine:
             kv_len = min(kv_len, -(-(max(self._host_pos) + self.sync_every) // 128) * 128)
         for _ in range(self.sync_every):
             if self.use_cuda_graphs:
-                self._graph(bucket, kv_len, mode).replay()
+                graph, capture_s = self.graphs.get(bucket, kv_len, mode)
+                self.stats["capture_s"] += capture_s
+                graph.replay()
             else:
                 self._decode_step(bucket, kv_len, mode)
         self._host_pos = [p + self.sync_every for p in self._host_pos]
@@ -351,7 +323,7 @@ class CudaRolloutEngine:
         logprobs = s.out_logprobs[rows, : params.max_tokens].tolist()
         for slot, toks, lps, limit in zip(done, tokens, logprobs, s.limit[rows].tolist()):
             seq = self._active[slot]
-            results[seq] = _trim(toks[:limit], lps[:limit], self._stops, seq // params.n)
+            results[seq] = trim(toks[:limit], lps[:limit], self._stops, seq // params.n)
         if self.prefix is not None:
             self._park(done, results, params.n)
         self._compact(done)
@@ -387,44 +359,6 @@ class CudaRolloutEngine:
         del self._active[b:], self._host_pos[b:]
         self.slots.reset_from(b)
 
-    # ---- CUDA graphs -----------------------------------------------------------------------------------
-
-    def _graph(self, bucket: int, kv_len: int, mode: SamplingMode) -> torch.cuda.CUDAGraph:
-        key = (bucket, kv_len, mode)
-        if key not in self._graphs:
-            start = time.perf_counter()
-            self._graphs[key] = self._capture(bucket, kv_len, mode)
-            self.stats["capture_s"] = self.stats.get("capture_s", 0.0) + time.perf_counter() - start
-        return self._graphs[key]
-
-    def _capture(self, bucket: int, kv_len: int, mode: SamplingMode) -> torch.cuda.CUDAGraph:
-        """Warm up (compilation, library workspaces) and capture one decode step; state and RNG restored.
-
-        The warm-up steps write the same K/V the real step will write (same tokens, same positions) and
-        output cells that later steps overwrite; the slot counters and the RNG are put back.
-        """
-        s = self.slots
-        counters = (s.token, s.pos, s.gen, s.done, self.sampler.seed)
-        saved = [t.clone() for t in counters]
-        rng = torch.cuda.get_rng_state(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_step(bucket, kv_len, mode)
-                for t, v in zip(counters, saved):
-                    t.copy_(v)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._decode_step(bucket, kv_len, mode)
-        for t, v in zip(counters, saved):
-            t.copy_(v)
-        torch.cuda.set_rng_state(rng, self.device)
-        return graph
-
 
 FREE_CACHE_SHARE = 0.2  # release_memory_on_sleep=None frees caches at least this share of the GPU's memory
 
@@ -452,10 +386,3 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _trim(tokens: list[int], logprobs: list[float], stops: set[int], prompt_index: int) -> RolloutOutput:
-    end = next((i for i, t in enumerate(tokens) if t in stops), None)
-    if end is None:
-        return RolloutOutput(prompt_index, tokens, logprobs, "length")
-    return RolloutOutput(prompt_index, tokens[: end + 1], logprobs[: end + 1], "stop")

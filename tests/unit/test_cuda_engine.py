@@ -14,7 +14,8 @@ from infra.config import load_config
 from stages.batch import build_batch
 from stages.model.policy import TokenLogprobs
 from stages.rollout.base import SamplingParams
-from stages.rollout.cuda_engine import CudaRolloutEngine, batch_buckets
+from stages.rollout.cuda_engine import CudaRolloutEngine
+from stages.rollout.cuda_slots import batch_buckets
 from stages.rollout.prefix_cache import PrefixIndex, PrefixRouter
 from stages.rollout.sampling import restrict, sample_logits
 from tests.tolerances import greedy_margin
