@@ -22,13 +22,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from infra.config_base import Section
 from infra.config_sections import (
     DataConfig,
     EvaluateConfig,
     ModelConfig,
     RayConfig,
     RunConfig,
-    Section,
     SFTConfig,
     StorageConfig,
     TrackingConfig,

@@ -11,15 +11,10 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from infra.rl_config import OptimConfig
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from infra.config_base import Section
+from infra.trainer_config import OptimConfig
 
 
 class RunConfig(Section):

@@ -5,132 +5,22 @@ verl users will recognise the names: `rl.train_batch_size` (prompts per step), `
 (sequences per forward/backward on one device), `rl.algorithm.adv_estimator`, `rl.actor.policy_loss`,
 `rl.actor.loss_agg_mode`, `rl.algorithm.use_kl_in_reward`, `rl.actor.use_kl_loss`. Algorithms are chosen
 by config alone; `recipes/` has GRPO, Dr.GRPO, DAPO, GSPO, PPO, RLOO, REINFORCE++ and online DPO settings.
+The sections of the trained models (rl.actor, rl.critic and their optim) live in infra/trainer_config.py.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from infra.algorithms import GRPO, AdvEstimator, PolicyLoss, Vanilla, as_variant
+from infra.algorithms import GRPO, AdvEstimator, as_variant
+from infra.config_base import Section
 from infra.rollout_correction import RolloutCorrectionConfig, check_policy_loss
+from infra.trainer_config import ActorConfig, CriticConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class OptimConfig(_Section):
-    """The one optimizer section (AdamW + LR schedule): rl.actor.optim, rl.critic.optim and sft.optim. The class
-    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in infra/config_sections.py)."""
-
-    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many schedule steps (RL: "
-                              "training steps, one per RL step; SFT: optimizer steps).")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("constant", description="After warmup.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay, as a share of lr.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> OptimConfig:
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas={list(self.betas)}: each must be in [0, 1)")
-        return self
-
-
-class TrainerConfig(_Section):
-    """Fields of a trained model's update loop, shared by actor and critic."""
-
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward on one device.")
-    use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead.")
-    max_token_len_per_device: int = Field(4096, gt=0, description="Token budget per micro-batch (dynamic).")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each step's batch.")
-    offload: bool = Field(
-        False, description="FSDP2 CPU offload (verl's fsdp_config.offload_policy): sharded parameters, gradients and "
-        "optimizer state live in host memory and each layer is gathered to the GPU for its forward and backward; "
-        "the optimizer steps on the CPU. For models whose training state does not fit the GPU (e.g. 7B on one); "
-        "nothing moves on CPU-only machines.")
-    optimizer_offload: bool = Field(
-        False, description="AdamW's moments (2x the trained parameters in fp32) wait in host memory between "
-        "optimizer steps and come to the device for each step (verl's fsdp_config.optimizer_offload): generation "
-        "and forward/backward run without them; the step itself still holds them (e.g. a 7B model on one H200).")
-    reshard_after_forward: bool | None = Field(
-        None, description="FSDP2: free each layer's gathered weights after forward and gather them again in backward "
-        "(ZeRO-3, least memory), or keep them until backward. None: keep them on one device, or on several when the "
-        "model's bf16 weights + fp32 gradients take <= 1/4 of a GPU's memory; free them otherwise.")
-    grad_sync_every_micro_batch: bool | None = Field(
-        None, description="FSDP2: reduce-scatter gradients after every micro-batch (least memory), or once per "
-        "mini-batch (fewer collectives; unsharded gradients kept in between). None: as reshard_after_forward.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _optimizer_fields_moved(cls, data):
-        moved = sorted(set(OptimConfig.model_fields) & set(data)) if isinstance(data, dict) else []
-        if moved:
-            raise ValueError(f"{', '.join(moved)} moved into the optimizer section: write optim.{moved[0]} "
-                             f"(e.g. rl.actor.optim.{moved[0]}, as verl's actor.optim.{moved[0]})")
-        return data
-
-
-class ActorConfig(TrainerConfig):
-    ppo_mini_batch_size: int = Field(
-        16, gt=0, description="Prompts per optimizer step (global; x n samples, or x one pair with online_dpo).")
-    policy_loss: PolicyLoss = Field(
-        default_factory=Vanilla, description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov, a name or {name: ..., "
-        "its parameters} (infra/algorithms.py).")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        Field("token-mean", description="How token losses become the batch loss.")
-    )
-    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_ratio_low.")
-    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28).")
-    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
-    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight.")
-    use_kl_loss: bool = Field(False, description="KL to the reference as a loss term (GRPO style).")
-    kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: str = Field("low_var_kl", description="k1 | k2 | k3 | abs | mse | low_var_kl, '+' forms too.")
-    gradient_checkpointing: bool | None = Field(
-        None, description="Recompute each layer's activations in backward. None: on with CUDA when a rank's share of "
-        "fp32 weights, gradients and AdamW moments (16 bytes per parameter) exceeds 40% of its GPU (e.g. 7B on one "
-        "H200), off otherwise (faster).")
-    use_remove_padding: bool | None = Field(
-        None, description="Pack sequences without padding in actor/reference forwards (verl's use_remove_padding); "
-        "None: on with CUDA (varlen flash attention), off on CPU (where it loops over sequences).")
-    use_torch_compile: bool | None = Field(
-        None, description="torch.compile each decoder layer and the logprob head (actor and reference; dynamic "
-        "shapes, a minute or two of compilation in the first step). None: on with CUDA, off on CPU.")
-    logprob_chunk_tokens: int | None = Field(
-        None, gt=0, description="Tokens per chunk of the vocabulary projection (logits never exist for the whole "
-        "micro-batch: chunk x vocab values at a time). None: 8192 with CUDA, 1024 on CPU.")
-    ulysses_sequence_parallel_size: int = Field(
-        1, gt=0, description="Ulysses sequence parallelism of the actor and reference passes (verl's key): groups of "
-        "this many consecutive trainer ranks run each micro-batch together, each rank holding 1/P of its packed "
-        "tokens (and 1/P of the heads in attention), so the data-parallel ranks are ranks / P (micro_batch_size and "
-        "max_token_len_per_device x P are per group). Needs packed rows (use_remove_padding true or null) and must "
-        "divide the number of trainer ranks and the model's attention heads. The critic runs without. 1: off.")
-
-    @field_validator("policy_loss", mode="before")
-    @classmethod
-    def _policy_loss_name(cls, value):
-        return as_variant(value, "vanilla")
-
-    @model_validator(mode="after")
-    def _sequence_parallel_packs(self) -> ActorConfig:
-        if self.ulysses_sequence_parallel_size > 1 and self.use_remove_padding is False:
-            raise ValueError(f"rl.actor.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} splits "
-                             "packed rows: set rl.actor.use_remove_padding to true or null (or the size to 1)")
-        return self
-
-
-class CriticConfig(TrainerConfig):
-    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range.")
-    warmup_steps_before_actor: int = Field(0, ge=0, description="Critic-only steps before the actor trains.")
-
-
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["vllm", "hf", "cuda"] = Field(
         "vllm", description="vllm (fast, colocated), hf (transformers generate) or cuda (our static-KV-cache engine "
         "with CUDA graphs, stages/rollout/cuda_engine.py; Qwen2/Llama; also runs on CPU, slowly)."
@@ -177,7 +67,7 @@ class RolloutConfig(_Section):
         return first or step % self.logprob_check_freq == 0 or step == last_step
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     adv_estimator: AdvEstimator = Field(
         default_factory=GRPO, description="gae | grpo | dr_grpo | rloo | reinforce_plus_plus | "
         "reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk | online_dpo, a name or {name: ..., its "
@@ -211,7 +101,7 @@ class AlgorithmConfig(_Section):
         "weights and rejection for the engine/trainer logprob gap, bypass mode (infra/rollout_correction.py).")
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     custom_path: str | None = Field(None, description="Python file with a verl-style reward function.")
     custom_function: str = Field("compute_score", description="Function name in custom_path.")
     math_scorer: Literal["verl", "math_verify"] = Field(
@@ -236,7 +126,7 @@ class RewardConfig(_Section):
     reward_model_batch_size: int = Field(16, gt=0, description="Samples per reward model forward pass.")
 
 
-class MultiTurnConfig(_Section):
+class MultiTurnConfig(Section):
     """Agent loops with tools and simulated users (stages/agent/tool_loop.py); verl's rollout.multi_turn. Rows
     choose a loop by their `agent_name` column (verl-format data files carry it; the calculator task sets it)."""
 
@@ -266,7 +156,7 @@ class MultiTurnConfig(_Section):
         "(finish_reason interaction_error).")
 
 
-class AsyncTrainingConfig(_Section):
+class AsyncTrainingConfig(Section):
     """How generation and training overlap (verl's one_step_off_policy and fully_async_policy recipes).
 
     sync: generate, then train on it (staleness 0); colocated by default, or on separate rollout devices.
@@ -319,7 +209,7 @@ class AsyncTrainingConfig(_Section):
         return {"sync": 0, "one_step_off": 1, "fully_async": self.max_staleness}[self.mode]
 
 
-class RLConfig(_Section):
+class RLConfig(Section):
     enabled: bool = Field(False, description="Run the RL stage after SFT.")
     total_steps: int = Field(20, gt=0, description="Training steps (one batch of prompts each).")
     train_batch_size: int = Field(32, gt=0, description="Prompts per step.")

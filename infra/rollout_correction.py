@@ -21,15 +21,15 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from infra.config_base import Section
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # verl's SUPPORTED_ROLLOUT_RS_OPTIONS
 
 
-class RolloutCorrectionConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class RolloutCorrectionConfig(Section):
     rollout_is: Literal["token", "sequence"] | None = Field(
         None, description="Importance weights pi_old / pi_rollout that multiply each token's policy-gradient loss: "
         "token (one per token) or sequence (the product over the response, the same on each token); null: none.")

@@ -7,7 +7,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from infra.rl_config import OptimConfig
+from infra.trainer_config import OptimConfig
 
 
 def build_optimizer(params, cfg: OptimConfig, offload_state: bool = False) -> torch.optim.Optimizer:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from infra.config import Config
-from infra.rl_config import TrainerConfig
+from infra.trainer_config import TrainerConfig
 from stages.batch import Batch
 from stages.core import loss_denominators
 from stages.model.fsdp import all_reduce, load_train_state, save_train_state

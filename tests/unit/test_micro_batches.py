@@ -1,6 +1,6 @@
 """Micro-batches of the actor/critic updates: fixed rows, or a token budget balanced across the groups."""
 
-from infra.rl_config import ActorConfig
+from infra.trainer_config import ActorConfig
 from stages.batch import build_batch
 from stages.workers.train_engine import budget_count, micro_batches
 

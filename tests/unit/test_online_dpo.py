@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from infra.config import ConfigError, load_config
-from infra.rl_config import TrainerConfig
+from infra.trainer_config import TrainerConfig
 from stages.batch import balance_batch, build_batch, rank_rows
 from stages.core import compute_advantages, dpo_loss, pair_order, preference_pairs
 from stages.core.estimators import AdvantageInputs

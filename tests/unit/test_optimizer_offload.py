@@ -2,7 +2,7 @@
 
 import torch
 
-from infra.rl_config import OptimConfig
+from infra.trainer_config import OptimConfig
 from stages.model.optim import OffloadedAdamW, build_optimizer
 
 

@@ -9,9 +9,9 @@ from safetensors import safe_open
 
 from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
-from infra.rl_config import OptimConfig
 from infra.store import ArtifactStore
 from infra.tracking import Tracker
+from infra.trainer_config import OptimConfig
 from stages.model.loading import load_model, load_tokenizer
 from stages.model.optim import lr_multiplier
 from stages.model.policy import TokenLogprobs

@@ -9,7 +9,7 @@ import torch
 
 from infra.algorithms import AdvEstimator, PolicyLoss, variant_names
 from infra.config import ConfigError, load_config
-from infra.rl_config import TrainerConfig
+from infra.trainer_config import TrainerConfig
 from stages.batch import build_batch
 from stages.core import ADV_ESTIMATORS, POLICY_LOSSES
 from stages.core.cov_losses import kl_cov_policy_loss
