@@ -14,8 +14,8 @@ reason. Four kinds of rows:
 Facts are verl's (volcengine/verl: `verl/trainer/config/_generated_ppo_trainer.yaml`, `ray_trainer.py`, the
 workers); rows marked "DAPO recipe" are keys of verl's DAPO recipe config, and the `rollout.*` and
 `async_training.*` rows those of its asynchronous recipes (`recipe/one_step_off_policy`, `recipe/fully_async_policy`).
-Keys a user does not give keep this project's values (the recipe's, else the defaults of infra/config_sections.py
-and infra/rl_config.py), not verl's defaults.
+Keys a user does not give keep this project's values (the recipe's, else the defaults of infra/config_sections.py,
+infra/trainer_config.py and infra/rl_config.py), not verl's defaults.
 """
 
 from __future__ import annotations
