@@ -7,9 +7,10 @@ records the policy version of the call that produced it (`RolloutOutput.extra["v
 that version's: the rollout logprobs stay exact for rollout correction.
 
 Samples of one call that reach the segment budget all have the same length, so each continuation call has one
-`max_tokens`. Continuations are one sample per prompt (n=1), seeded by the segment (`seed + segment * 7919`), so a
-run with partial rollouts samples differently from one without (the same in distribution). Engines with a prefix
-cache (vLLM; the cuda engine's park when on) reuse the continued prefix's K/V.
+`max_tokens`; a sample the engine ended shorter, at its max_model_len, is finished. Continuations are one sample
+per prompt (n=1), seeded by the segment (`seed + segment * 7919`), so a run with partial rollouts samples
+differently from one without (the same in distribution). Engines with a prefix cache (vLLM; the cuda engine's park
+when on) reuse the continued prefix's K/V.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ def generate_in_segments(call: VersionedCall, prompt_ids: list[list[int]], param
     outs, version = call(prompt_ids, first)
     samples = [_Partial(o.prompt_index, list(o.response_ids), list(o.logprobs), [version] * len(o.response_ids),
                         o.finish_reason, dict(o.extra)) for o in outs]
-    segment = 1
+    segment, done = 1, first.max_tokens  # tokens every sample still live has generated
     while True:
-        live = [s for s in samples if s.finish_reason == "length" and len(s.response_ids) < params.max_tokens]
-        if not live:
+        # live: cut by the segment budget alone; a "length" sample shorter than `done` reached the engine's
+        # max_model_len (a tool loop's call has its largest sample's budget), and sending it back would fail there
+        live = [s for s in samples if s.finish_reason == "length" and len(s.response_ids) == done]
+        if not live or done >= params.max_tokens:
             return [s.output() for s in samples]
-        done = len(live[0].response_ids)  # every live sample generated `segment` full segments
         seed = None if params.seed is None else params.seed + segment * SEGMENT_SEED_STRIDE
         more = replace(params, n=1, seed=seed, max_tokens=min(segment_tokens, params.max_tokens - done))
         outs, version = call([prompt_ids[s.prompt_index] + s.response_ids for s in live], more)
         for out in outs:
             live[out.prompt_index].extend(out, version)
-        segment += 1
+        segment, done = segment + 1, done + more.max_tokens

@@ -213,6 +213,40 @@ def test_generate_in_segments_makes_one_call_when_nothing_is_left_to_continue(ma
         (answer[0], answer[1], [7] * len(answer[0]))]
 
 
+class ModelLenCall:
+    """A VersionedCall that bounds prompt + response by `max_model_len` as the cuda engine and vLLM do: a sample that
+    reaches it ends with finish "length" before max_tokens, and a prompt that leaves no room is a ValueError. Tokens
+    count positions (as PositionEngine's); version = the call's number."""
+
+    def __init__(self, max_model_len: int):
+        self.max_model_len = max_model_len
+        self.calls: list[tuple[list[int], int]] = []  # (prompt lengths, max_tokens)
+
+    def __call__(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[list[RolloutOutput], int]:
+        self.calls.append(([len(p) for p in prompt_ids], params.max_tokens))
+        if max(len(p) for p in prompt_ids) >= self.max_model_len:
+            raise ValueError("a prompt leaves no room to generate within the engine's max_model_len")
+        outputs = []
+        for i, p in enumerate(prompt_ids):
+            tokens = list(range(len(p), min(len(p) + params.max_tokens, self.max_model_len)))
+            outputs += [RolloutOutput(i, tokens, logprobs_of(tokens), "length")] * params.n
+        return outputs, len(self.calls) - 1
+
+
+def test_generate_in_segments_does_not_continue_a_sample_the_engine_ended_at_max_model_len():
+    # The tool loop's calls give every sample the largest remaining budget (6 here) and cut each reply to its own
+    # afterwards, so a sample with a long context reaches max_model_len (10) first: prompt A (8 tokens) ends after
+    # 2 tokens with finish "length". It is done; B (2 tokens) goes on in segments of 3 up to the budget: 3 + 3.
+    call = ModelLenCall(max_model_len=10)
+    params = SamplingParams(max_tokens=6, seed=1)
+
+    outputs = generate_in_segments(call, [list(range(8)), [0, 1]], params, segment_tokens=3)
+
+    assert call.calls == [([8, 2], 3), ([5], 3)]  # A's 10 tokens are never sent back as a prompt
+    assert [(o.response_ids, o.extra["versions"]) for o in outputs] == [
+        ([8, 9], [0, 0]), ([2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 1, 1])]
+
+
 def test_versioned_tags_every_token_and_keeps_the_outputs_extra():
     out = RolloutOutput(1, [4, 5, 6], [-0.1, -0.2, -0.3], "stop", {"engine": "cuda"})
 
