@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -128,10 +129,16 @@ def tool_turn_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> l
 
 def user_turn_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of one user message plus the next assistant header, rendered after an assistant turn as
-    `tool_turn_ids` renders tool messages (a simulated user's reply in a multi-turn rollout). Rendered after a
-    user and an assistant turn, so templates that insist on alternating roles (Gemma's, Llama 2's) accept it."""
-    return _turn_delta_ids(tokenizer, [{"role": "user", "content": text}],
-                           [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    `tool_turn_ids` renders tool messages (a simulated user's reply in a multi-turn rollout). The probe renders it
+    after a user turn, as verl does; templates that refuse two user turns in a row (Gemma's, Llama 2's) after a
+    user and an assistant turn. Not that first: Qwen3's template gives the last assistant turn an empty think
+    block only while no user turn follows it, so that probe is no prefix of itself plus the user turn."""
+    message = [{"role": "user", "content": text}]
+    try:
+        return _turn_delta_ids(tokenizer, message)
+    except jinja2.TemplateError:  # raise_exception in the template: roles must alternate
+        return _turn_delta_ids(tokenizer, message,
+                               [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
 
 
 def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],

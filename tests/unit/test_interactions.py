@@ -74,6 +74,31 @@ def alternating(tokenizer):
     return other
 
 
+def thinking(tokenizer):
+    """The tokenizer with Qwen3's rule for assistant turns (the rest ChatML): the last assistant turn after the last
+    user query gets an empty think block, earlier ones do not. So [user, assistant] renders the assistant turn
+    differently once a user turn follows it."""
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = (
+        "{%- set ns = namespace(last_query=messages|length - 1) %}"
+        "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+        "{%- endif %}{%- endfor %}"
+        "{%- for message in messages %}"
+        "{%- if message.role == 'assistant' and loop.index0 > ns.last_query and loop.last %}"
+        "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message.content + '<|im_end|>\n' }}"
+        "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+    return other
+
+
+def test_user_turn_ids_with_a_template_that_rerenders_the_last_assistant_turn(tokenizer):
+    # Qwen3's template: a probe rendered after [user, assistant] is no prefix of itself plus a user turn; the user
+    # turn is rendered after a user turn instead, as tool messages are (and verl's delta is)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert user_turn_ids(thinking(tokenizer), WRONG) == ids(
+        f"\n<|im_start|>user\n{WRONG}<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_model_user_model_layout_by_hand(tokenizer):
     """model turn (wrong) | user reply | model turn (right): the right answer ends the conversation."""
     user = Recording({"name": "gsm8k"})
