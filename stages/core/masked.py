@@ -23,7 +23,8 @@ across ranks (DDP, FSDP), multiply the loss by the number of ranks, as verl does
 Deviations from verl:
     * Masked positions are excluded with `torch.where`, not by multiplying with the mask, so non-finite
       garbage under the mask cannot leak into the result.
-    * Empty denominators are clamped to 1 (an all-masked batch gives 0, not NaN), and the unbiased variance
+    * Empty denominators, local or global, are clamped to 1 (an all-masked batch gives 0, not NaN; verl
+      divides by 0 when a given global count is 0), and the unbiased variance
       of a single valid element is 0 instead of raising: both avoid a host-device sync in `masked_var`.
 """
 
@@ -120,6 +121,11 @@ def loss_denominators(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"global_num_tokens": mask.sum(), "global_num_seqs": mask.any(dim=-1).sum()}
 
 
+def _at_least_one(count: Count) -> Count:
+    """`count` clamped below at 1: an empty (local or global) count divides a zero sum, giving 0, not NaN."""
+    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -150,16 +156,16 @@ def agg_loss(
     """
     mask = loss_mask.bool()
     if loss_agg_mode == "token-mean":
-        denominator = mask.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
-        return masked_sum(loss_mat, mask) / denominator
+        denominator = mask.sum() if global_num_tokens is None else global_num_tokens
+        return masked_sum(loss_mat, mask) / _at_least_one(denominator)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported; use one of {', '.join(LOSS_AGG_MODES)}")
 
     seq_losses = masked_sum(loss_mat, mask, dim=-1)  # (B,)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / mask.sum(dim=-1).clamp(min=1).to(loss_mat.dtype)
-    num_seqs = mask.any(dim=-1).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
-    loss = seq_losses.sum() / num_seqs  # fully masked rows contribute 0 to the sum
+    num_seqs = mask.any(dim=-1).sum() if global_num_seqs is None else global_num_seqs
+    loss = seq_losses.sum() / _at_least_one(num_seqs)  # fully masked rows contribute 0 to the sum
     if loss_agg_mode == "seq-mean-token-sum-norm":
         loss = loss / (loss_mat.shape[-1] if max_response_length is None else max_response_length)
     return loss

@@ -81,6 +81,21 @@ def test_agg_loss_fully_masked_row_not_counted_as_sequence():
     assert loss_denominators(mask) == {"global_num_tokens": 5, "global_num_seqs": 2}
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_all_masked_mini_batch_with_global_denominators_is_zero(mode):
+    """A mini-batch with no valid token (e.g. rollout correction rejected every row) gives the trainer global
+    counts of 0: the loss is 0 (masked sum 0 / clamped count 1) with a zero gradient, as the local path, not
+    0 / 0 = NaN."""
+    empty = torch.zeros_like(MASK)
+    denominators = loss_denominators(empty)  # {"global_num_tokens": 0, "global_num_seqs": 0}
+    for counts in (denominators, {k: int(v) for k, v in denominators.items()}):  # tensors, Python ints
+        leaf = LOSS.clone().requires_grad_(True)
+        loss = agg_loss(leaf, empty, mode, **counts, max_response_length=4)
+        loss.backward()
+        assert loss.item() == 0.0
+        assert (leaf.grad == 0).all()
+
+
 def test_agg_loss_unknown_mode_lists_modes():
     modes = "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
     with pytest.raises(ValueError, match=f"loss_agg_mode='seq-sum' is not supported; use one of {modes}"):
