@@ -26,6 +26,9 @@ Deviations from verl:
     * Empty denominators, local or global, are clamped to 1 (an all-masked batch gives 0, not NaN; verl
       divides by 0 when a given global count is 0), and the unbiased variance
       of a single valid element is 0 instead of raising: both avoid a host-device sync in `masked_var`.
+    * seq-mean-token-sum-norm is a mean over sequences (Dr.GRPO's 1/G), divided by N_seq * T_max; verl divides
+      each micro-batch's token sum by T_max alone (no sequence count), so its loss, and the learning rate that
+      suits it, scale with the number of sequences per micro-batch.
 """
 
 from __future__ import annotations
