@@ -17,18 +17,17 @@ Atomicity: readers (``exists``, ``manifest``, ``versions``, ``latest``, ``get_di
 manifest exists and is valid.
 - local: files and manifest are copied into ``.staging/{uuid}/`` and the folder is renamed to its final
   place with one ``os.rename`` (same file system, atomic). A crash leaves only a staging folder.
-- remote (s3): files are uploaded to the final prefix, the manifest last (one PUT is atomic). A failed upload
-  raises ``StoreError``, is cleaned up best-effort (not after a timeout) and stays invisible; a retry of the
-  same content overwrites and commits it. If a valid manifest of the version exists after the failure (another
-  writer stored the same content meanwhile), the version is complete: it is kept and the put succeeds, as on a
-  local store; if the store cannot say, nothing is removed. ``gc()`` removes staging folders and manifest-less
-  version folders once untouched for an hour (their newest file's mtime: a write in progress adds files all the
-  time, so gc is safe while flows write); ``gc(now=True)`` removes them at once, for when nothing writes.
+- remote (s3): files are uploaded to the final prefix, the manifest last (one PUT is atomic). A failed upload raises
+  ``StoreError``, is cleaned up best-effort (not after a timeout) and stays invisible; a retry of the same content
+  overwrites and commits it. If a valid manifest of the version exists after the failure (another writer stored the
+  same content meanwhile), the version is complete: it is kept and the put succeeds, as on a local store; if the store
+  cannot say, nothing is removed. ``gc()`` removes staging and manifest-less version folders untouched (newest mtime)
+  for an hour: safe while flows write, however large their files (a local copy moves the mtime as it writes, an upload
+  rewrites a heartbeat: infra/store_heartbeat.py); ``gc(now=True)`` at once, when nothing writes.
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT. ``gc()`` removes a temp file
   (or a partial download into the cache) left by a killed process once it is untouched for an hour (GcReport).
 
-Integrity: every read of a version's files is checked against its manifest (infra/store_reads.py says when and
-how).
+Integrity: every read of a version's files is checked against its manifest (infra/store_reads.py: when and how).
 
 Repair: ``verify`` reports each corrupt version, ``delete`` removes one (a damaged manifest too), ``gc`` removes
 leftovers of crashed writes and lists the versions whose manifest is corrupt (no reader sees them, so checkpoint
@@ -45,7 +44,7 @@ within ``infra.s3.stall_bound_s`` (18 s with the defaults, 42 s for a 16 MiB upl
 
 Modules: this one holds the class, its commits and listings; infra/store_base.py the errors and reserved names,
 infra/store_reads.py the checked reads and the download cache, infra/store_tables.py the mutable tables,
-infra/store_gc.py garbage collection, infra/store_cli.py the command line.
+infra/store_gc.py garbage collection, infra/store_heartbeat.py an upload's heartbeat, infra/store_cli.py the CLI.
 
 CLI: ``python -m infra.store [--root R] [--endpoint-url U] list [KIND] | versions KIND/NAME |
 show KIND/NAME@VERSION | verify [KIND/NAME[@VERSION]] | delete KIND/NAME@VERSION | gc [--corrupt]``.
@@ -71,6 +70,7 @@ from infra.config_sections import StorageConfig, endpoint_url_problem
 from infra.s3 import s3_filesystem, stall_bound_s
 from infra.store_base import ARTIFACTS, CONNECTION_ERRORS, STAGING, TIMEOUTS, CorruptArtifactError, StoreError
 from infra.store_gc import GC_MIN_AGE_S, GarbageCollection, GcReport
+from infra.store_heartbeat import check_sources, heartbeat
 from infra.store_reads import VerifiedReads
 from infra.store_tables import TableFiles
 
@@ -260,6 +260,7 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
         """Store every file under local_dir as kind/name@<content hash>; idempotent for the same content (an
         intact stored copy is kept, a corrupt one replaced)."""
         version, files, sources = hash_dir(Path(local_dir))
+        check_sources(sources)
         ref = ArtifactRef(kind, name, version)
         try:
             self.verify(ref)  # the same content again is also how a corrupt version gets repaired
@@ -309,14 +310,14 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
     def _commit_remote(self, ref: ArtifactRef, sources: dict[str, Path], manifest: Manifest) -> None:
         vdir, start = self._vdir(ref), time.monotonic()
         try:
-            for rel, src in sources.items():
-                self._write_file(src, f"{vdir}/{rel}")
-            self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
+            with heartbeat(self.fs, vdir, self.temp_min_age_s):  # gc sees the upload alive while a big file goes
+                for rel, src in sources.items():
+                    self._write_file(src, f"{vdir}/{rel}")
+                self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
         except (*CONNECTION_ERRORS, OSError) as exc:
             waited_s = time.monotonic() - start
             if not isinstance(exc, TIMEOUTS):  # a storage that does not answer would hold these as long again
-                committed = self._committed_meanwhile(ref)
-                if committed:
+                if committed := self._committed_meanwhile(ref):
                     logger.warning("the upload of %s failed (%s), but the version is committed with a valid manifest "
                                    "(another writer stored the same content meanwhile): keeping it", ref, exc)
                     return

@@ -12,6 +12,7 @@ from fsspec.exceptions import FSTimeoutError
 
 ARTIFACTS = "artifacts"
 STAGING = ".staging"
+HEARTBEAT = "_heartbeat"  # rewritten in a version folder while it uploads (infra/store_heartbeat.py)
 PARTIAL = ".partial-"  # get_dir downloads into .<version>.partial-<random> beside its destination, then renames it
 CONNECTION_ERRORS = (BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, FSTimeoutError)
 TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError, asyncio.TimeoutError, FSTimeoutError)

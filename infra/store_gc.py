@@ -32,20 +32,21 @@ class GcReport:
     """What one gc found and removed.
 
     leftovers: staging folders and version folders without a manifest (crashed artifact writes) untouched (newest
-      mtime of their files) for ``min_age_s``, removed. A live local write fills its staging folder file by file
-      and renames it; an S3 upload adds its files one after the other, its manifest last. An S3 object appears only
-      once sent whole, so one file taking longer than ``min_age_s`` to upload (tens of GB on a slow link) leaves its
-      folder looking stale: gc then removes the files sent before it, and the version that commits reads as corrupt
-      (CorruptArtifactError), never as a silently incomplete one.
+      mtime of their files) for ``min_age_s``, removed. A live write is never among them, however large its files:
+      a local write fills its staging folder file by file (each write moves the mtime of the file being copied) and
+      renames it; an S3 upload, whose objects appear only once sent whole, rewrites a heartbeat object in its
+      version folder every ``min_age_s / 6`` (at most 10 min) from the first file to the manifest
+      (infra/store_heartbeat.py). A killed writer's heartbeat stops with it, so its folder goes after the age.
     num_fresh_leftovers: younger ones, kept (an artifact write in progress looks exactly the same).
     temp_files: removed temp files of table writes (``.<name>.<random>.tmp`` beside the file, local roots) and partial
       downloads into the cache (``.<version>.partial-<random>/``) untouched (newest mtime in them) for ``min_age_s``.
     num_fresh_temp: younger ones, kept (they may belong to a write in progress).
     min_age_s: ``temp_min_age_s`` (0 for ``sweep(now=True)``): GC_MIN_AGE_S = 1 h, or twice the longest one S3
       request can go silent (`stall_bound_s`) if that is longer. A live write renames its temp file right after
-      writing it, adds to its staging folder or upload as each file is written, and a download writes as the bytes
-      arrive or fails within `stall_bound_s`; a process silent for an hour also lost its stage lease 30 times over
-      (lease.TTL_S = 120 s). So only what killed processes left is that old.
+      writing it, writes into its staging folder as the bytes arrive or beats its upload's heartbeat (one beat is at
+      most min_age_s / 6 + `stall_bound_s` old), and a download writes as the bytes arrive or fails within
+      `stall_bound_s`; a process silent for an hour also lost its stage lease 30 times over (lease.TTL_S = 120 s).
+      So only what killed processes left is that old.
     corrupt: versions whose manifest exists but is not valid. Readers skip them, so checkpoint pruning never
       removes them; they are removed only when asked (corrupt_removed), since their files may still be worth
       saving by hand. A version being written has no manifest yet: it is never among them.

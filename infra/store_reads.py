@@ -2,9 +2,9 @@
 whose ``fs``, ``manifest``, ``_vdir``, ``_errors`` and ``_corrupt`` it uses).
 
 Integrity: every read of a version's files checks them against its manifest: the same file names (a listed file
-missing or a file the manifest does not list is corruption), sizes and sha256, hashed while streaming (1 MiB at a
-time). A difference raises ``CorruptArtifactError`` naming the version, each bad file with expected vs found, and
-the commands that check and remove it. When:
+missing or a file the manifest does not list is corruption; an upload's ``_heartbeat`` is no file of the version),
+sizes and sha256, hashed while streaming (1 MiB at a time). A difference raises ``CorruptArtifactError`` naming
+the version, each bad file with expected vs found, and the commands that check and remove it. When:
 - local ``get_dir(ref)`` (the version folder itself, read in place): every call hashes every file. A cheaper rule
   (trusting an earlier check while names, sizes and mtimes are unchanged) would miss exactly what the check is
   for: bytes that change underneath the file system (a bad disk, a restored backup) or a same-size write that
@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, copy_problems, file_problems, file_sha256, stream_sha256
-from infra.store_base import PARTIAL
+from infra.store_base import HEARTBEAT, PARTIAL
 from infra.store_gc import remove_stale_beside
 
 logger = logging.getLogger("infra.store")  # the store's one logger, whichever of its files speaks
@@ -49,15 +49,20 @@ class VerifiedReads:
         CorruptArtifactError listing each difference."""
         manifest, vdir = self.manifest(ref), self._vdir(ref)
         with self._errors(f"verifying {ref}"):
-            problems = file_problems(manifest, self._file_sizes(vdir), lambda rel: self._sha256(f"{vdir}/{rel}"))
+            sizes = self._file_sizes(vdir, manifest)
+            problems = file_problems(manifest, sizes, lambda rel: self._sha256(f"{vdir}/{rel}"))
         if problems:
             raise self._corrupt(ref, problems)
         return manifest
 
-    def _file_sizes(self, vdir: str) -> dict[str, int]:
-        """relpath -> size of every file under the version folder vdir, its manifest left out."""
+    def _file_sizes(self, vdir: str, manifest: Manifest) -> dict[str, int]:
+        """relpath -> size of every file under the version folder vdir, its manifest left out, and the heartbeat of
+        an upload (infra/store_heartbeat.py: one of the same content may still run, or was killed) unless the
+        manifest lists a file of that name (stored before the name was reserved)."""
         sizes = {path[len(vdir) + 1:]: info["size"] for path, info in self.fs.find(vdir, detail=True).items()}
         sizes.pop(MANIFEST, None)
+        if HEARTBEAT not in manifest.files:
+            sizes.pop(HEARTBEAT, None)
         return sizes
 
     def _sha256(self, path: str) -> str:
@@ -120,7 +125,7 @@ class VerifiedReads:
             return file_sha256(local)
 
         with self._errors(f"downloading {manifest.ref}"):
-            problems = file_problems(manifest, self._file_sizes(vdir), fetch)
+            problems = file_problems(manifest, self._file_sizes(vdir, manifest), fetch)
         if problems:
             raise self._corrupt(manifest.ref, problems)
         (target / MANIFEST).write_bytes(manifest.to_json())
