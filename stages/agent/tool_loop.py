@@ -6,13 +6,14 @@ tools' answers are rendered with the chat template (`tool_turn_ids`: the templat
 assistant header, as a delta) and appended with mask 0 and logprob 0. The total response (model + tool
 tokens) stays within `params.max_tokens` (data.max_response_length, verl's response_length).
 
-A turn ends the trajectory when it has no tool call (`stop`), when the token budget runs out (`length`) or when
-`max_assistant_turns` / `max_user_turns` is reached (`max_turns`; tool and user turns both count against
-`max_user_turns`, as in verl). Malformed calls, unknown tools, bad
-arguments, raising or hanging tools become error texts the model reads (stages/tools/calls.py); calls beyond
-`max_parallel_calls` in one turn get an error text too. The model reads one answer per call, in the order it
-wrote the calls (as verl's and OpenAI's tool messages are), whether the answer is the tool's, a parse error or a
-refusal. Tool answers are cut to `max_tool_response_length` characters on `tool_response_truncate_side`.
+A turn ends the trajectory when it has no tool call (`stop`, also when its eos lands exactly on the budget), when the
+token budget runs out (`length`: also a turn that used it up with a tool call, or with a simulated user to answer)
+or when `max_assistant_turns` / `max_user_turns` is reached (`max_turns`; tool and user turns both count against
+`max_user_turns`, as in verl). Malformed calls, unknown tools, bad arguments, raising or hanging tools become error
+texts the model reads (stages/tools/calls.py); calls beyond `max_parallel_calls` in one turn get an error text too.
+The model reads one answer per call, in the order it wrote the calls (as verl's and OpenAI's tool messages are),
+whether the answer is the tool's, a parse error or a refusal. Tool answers are cut to `max_tool_response_length`
+characters on `tool_response_truncate_side`.
 
 Calls are parsed from the turn decoded with special tokens kept (a tokenizer may make `<tool_call>` a special
 token; verl's tool parsers decode the same way) but without the eos and pad tokens
@@ -35,7 +36,8 @@ prompt messages and every assistant, tool and user message as chat dicts) and an
 conversation, its reply is appended as a user message (`user_turn_ids`, mask 0, logprob 0) and the model goes on.
 The interaction also judges the turn that hits the turn limit (its reply is recorded, not appended), so every
 complete answer gets a turn score; a reply that ends the conversation is recorded and not appended either (no model
-turn follows it; verl appends it with mask 0). A failing interaction ends its trajectory (`interaction_error`).
+turn follows it; verl appends it with mask 0). A failing interaction ends its trajectory (`interaction_error`) where
+it is next asked: one whose `start_interaction` failed, after the first model turn, which trains as any other.
 
 The reward scores the model's turns joined by newlines (`Trajectory.text`); the reward function also gets every
 turn in `extra_info["turns"]` (user turns with their `score`). The tools' step rewards and `calc_reward` add up in
@@ -309,7 +311,9 @@ class ToolAgentLoop(AgentLoop):
             state.turns.append({"role": "assistant", "text": text, "tokens": len(out.response_ids)})
             state.messages.append({"role": "assistant", "content": text})
             if out.finish_reason == "length" or len(state.response_ids) >= budget:
-                state.finish_reason = "length"
+                # a last answer that fits the budget exactly stopped on its own; a call or a user has no room left
+                done = out.finish_reason == "stop" and not calls and not errors and session is None
+                state.finish_reason = "stop" if done else "length"
                 return
             at_limit = num_assistant >= opts.max_assistant_turns or num_user >= opts.max_user_turns
             if not calls and not errors:

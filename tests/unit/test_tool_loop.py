@@ -96,6 +96,15 @@ def test_limits_end_the_trajectory(tokenizer):
     assert len(t.response_mask) == len(t.logprobs) == 40
 
 
+def test_a_final_answer_that_fills_the_budget_exactly_is_a_stop(tokenizer):
+    """The old loop called any turn that reached the budget "length", this one too (eos within the budget)."""
+    tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # noqa: E731 (+ eos)
+    [t], _, _ = run(tokenizer, {0: ["#### 85"]}, max_tokens=tokens("#### 85"))
+    assert t.finish_reason == "stop" and len(t.response_ids) == tokens("#### 85")
+    [t], _, _ = run(tokenizer, {0: [CALL % "1+1"]}, max_tokens=tokens(CALL % "1+1"))
+    assert t.finish_reason == "length" and len(t.response_ids) == tokens(CALL % "1+1")  # no room for the answer
+
+
 def test_bad_calls_become_error_texts_and_counts(tokenizer):
     class Hangs(BaseTool):
         @classmethod
