@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,6 +49,7 @@ from stages.batch import Batch
 from stages.rl_data import average_metrics, concat_batches, rollout_metrics, signal_metrics
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.partial import generate_in_segments, versioned
+from stages.workers.actor_rollout import engine_max_len
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +62,20 @@ class RolloutFailed(RuntimeError):
 
 @dataclass
 class Group:
+    """n scored samples of one prompt, and what the step that trains it reports besides: the chunk metrics and the
+    untrained groups generated since the group before it, so that every chunk and every generated group is reported
+    once (a chunk whose groups dynamic sampling dropped all, and a group dropped for staleness, included)."""
+
     index: int  # position in the run's sequence of groups (prompt order); resume restarts from a group index
     batch: Batch  # its scored samples
     version: int  # the engines' policy version when its generation started (its oldest token's)
-    metrics: dict[str, float]  # its chunk's generation and reward metrics, on the chunk's first group only
+    metrics: list[dict[str, float]] = field(default_factory=list)  # generation and reward metrics of chunks
+    untrained: list[Batch] = field(default_factory=list)  # groups generated before it that no step trains
+
+    def absorb(self, dropped: Group) -> None:
+        """Report a group dropped before this one (and what it carried) with this one."""
+        self.metrics = dropped.metrics + self.metrics
+        self.untrained = [*dropped.untrained, dropped.batch, *self.untrained]
 
 
 class AsyncRollout:
@@ -75,16 +86,17 @@ class AsyncRollout:
 
     def __init__(self, settings: AsyncTrainingConfig, batch_size: int, engine: EngineFn,
                  produce: Callable[[int, int], list[Group]], next_group: int, version: int,
-                 max_gen_batches: int = 0):
+                 max_gen_batches: int = 0, max_model_len: int | None = None):
         """max_gen_batches: with dynamic sampling (rl.algorithm.max_num_gen_batches), the producer fails once it
-        has generated that many steps' worth of groups without keeping a whole step's (0: never)."""
+        has generated that many steps' worth of groups without keeping a whole step's (0: never). max_model_len:
+        the engines' (partial rollouts do not continue a sample that fills it)."""
         fully = settings.mode == "fully_async"
         self.batch_size, self.staleness = batch_size, settings.staleness
         self.chunk = (settings.generation_groups or batch_size) if fully else batch_size
         self.capacity = max(settings.queue_groups or 2 * batch_size, self.chunk)
         self.policy = settings.staleness_policy if fully else "wait"
         self.partial_tokens = settings.partial_rollout_tokens if fully and settings.partial_rollout else None
-        self.timeout_s = settings.rollout_timeout_s
+        self.timeout_s, self.max_model_len = settings.rollout_timeout_s, max_model_len
         self._engine, self._produce = engine, produce
         self.version, self.next_group = version, next_group  # next_group: the first group not yet taken
         self._next_chunk = next_group
@@ -162,7 +174,7 @@ class AsyncRollout:
         """The engines' generate, each output's tokens tagged with their policy version; in segments with partial
         rollouts (a push lands between them)."""
         if self.partial_tokens:
-            return generate_in_segments(self._call, prompt_ids, params, self.partial_tokens)
+            return generate_in_segments(self._call, prompt_ids, params, self.partial_tokens, self.max_model_len)
         outputs, version = self._call(prompt_ids, params)
         return versioned(outputs, version)
 
@@ -186,7 +198,7 @@ class AsyncRollout:
         """The next `num_groups` groups for the step that trains `trained_version` (waiting for them), dropping those
         over the staleness bound (policy drop). RolloutFailed when the producer failed or nothing came in time."""
         start = time.perf_counter()
-        taken, dropped = [], 0
+        taken, dropped, carried = [], 0, None
         with self._cond:
             queued = len(self._queue)
             while len(taken) < num_groups:  # rollout_timeout_s bounds the wait for each group
@@ -195,8 +207,11 @@ class AsyncRollout:
                 group = self._queue.popleft()
                 self.next_group = group.index + 1
                 self._cond.notify_all()  # room in the queue
+                if carried is not None:
+                    group.absorb(carried)
+                    carried = None
                 if trained_version - group.version > self.staleness:
-                    dropped += 1
+                    dropped, carried = dropped + 1, group  # reported with the next group taken
                     continue
                 taken.append(group)
         return taken, {"async/dropped_groups": float(dropped), "async/queue_groups": float(queued),
@@ -263,9 +278,13 @@ class AsyncSchedule:
         self.trainer, settings = trainer, trainer.rl.async_training
         self.push_every = settings.trigger_parameter_sync_step if settings.mode == "fully_async" else 1
         self.meta = trainer.actor.call_one("weight_meta")
+        # what the producer has not yet attached to a kept group: groups dynamic sampling dropped, chunks' metrics
+        self._untrained: list[Batch] = []
+        self._chunk_metrics: list[dict[str, float]] = []
         alg = trainer.rl.algorithm
         self.rollout = AsyncRollout(settings, trainer.rl.train_batch_size, trainer.gen.engine_generate, self.produce,
-                                    next_group, version, alg.max_num_gen_batches if alg.filter_groups else 0)
+                                    next_group, version, alg.max_num_gen_batches if alg.filter_groups else 0,
+                                    engine_max_len(trainer.cfg))
         if version > 0:  # resumed: the engines still hold the initial weights
             self.push(version)
         trainer.gen.versioned_generate = self.rollout.generate  # before the producer's first generate
@@ -293,22 +312,31 @@ class AsyncSchedule:
         step, offset = first // size + 1, first % size
         start = time.perf_counter()
         # timed as a whole (async/generate_s), not by a step's timer
-        batch, metrics = t.gen.generate(indices, f"{step}-{offset}", step * 1000 + offset, lambda name: nullcontext())
-        generated = time.perf_counter() - start
-        if t.rl.algorithm.filter_groups:
-            batch = t.gen.varied_groups(batch)
+        batch, metrics = t.gen.generate(indices, f"{step}-{offset}", t.gen.batch_seed(step, offset),
+                                        lambda name: nullcontext())
+        chunk_metrics = {**metrics, "async/generate_s": time.perf_counter() - start, "async/chunks": 1.0}
+        kept = set((t.gen.varied_groups(batch) if t.rl.algorithm.filter_groups else batch).meta["group_id"])
+        groups = self._groups(batch, kept, first)
+        self._chunk_metrics.append({**chunk_metrics, "async/filtered_groups": float(count - len(groups))})
+        if groups:
+            groups[0].metrics, self._chunk_metrics = self._chunk_metrics, []
+        return groups
+
+    def _groups(self, batch: Batch, kept: set[str], first: int) -> list[Group]:
+        """The chunk's kept groups, each carrying the dropped ones generated since the kept group before it."""
         rows: dict[str, list[int]] = {}
         for i, group_id in enumerate(batch.meta["group_id"]):
             rows.setdefault(group_id, []).append(i)
         groups = []
         for group_id, members in rows.items():
             group = batch.select(members)
+            if group_id not in kept:
+                self._untrained.append(group)
+                continue
             versions = [v for v in group.meta["policy_version"] if v is not None]
             groups.append(Group(first + int(group_id.rsplit("-", 1)[1]), group,
-                                min(versions, default=self.rollout.version), {}))
-        if groups:
-            groups[0].metrics = {**metrics, "async/generate_s": generated, "async/chunks": 1.0,
-                                 "async/filtered_groups": float(count - len(groups))}
+                                min(versions, default=self.rollout.version), untrained=self._untrained))
+            self._untrained = []
         return groups
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -318,14 +346,15 @@ class AsyncSchedule:
         groups, metrics = self.rollout.take(t.rl.train_batch_size, step - 1)
         batches = [g.batch for g in groups]
         batch = concat_batches(batches, t.tokenizer.pad_token_id) if len(batches) > 1 else batches[0]
-        metrics.update(average_metrics([g.metrics for g in groups if g.metrics]))
+        metrics.update(average_metrics([m for g in groups for m in g.metrics]))
+        generated = [b for g in groups for b in (*g.untrained, g.batch)]  # as the synchronous loop's, unfiltered
         staleness = torch.tensor([float(step - 1 - v) for v in batch.meta["policy_version"] if v is not None])
         spans = [len({v for v in vs if v >= 0}) > 1 for vs in batch.meta["token_versions"]]
         metrics.update({"async/staleness/mean": float(staleness.mean()) if len(staleness) else 0.0,
                         "async/staleness/max": float(staleness.max()) if len(staleness) else 0.0,
                         "async/partial_frac": sum(spans) / max(len(spans), 1),
                         "async/rollout_version": float(self.rollout.version),
-                        **signal_metrics([batch]), **rollout_metrics([batch])})
+                        **signal_metrics(generated), **rollout_metrics(generated)})
         return batch, metrics
 
     def after_update(self, step: int) -> dict[str, float]:

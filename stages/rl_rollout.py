@@ -64,8 +64,8 @@ class RolloutDriver:
                 raise RuntimeError(
                     f"dynamic sampling found {num_groups}/{self.rl.train_batch_size} groups with varied rewards "
                     f"after {gen} generation batches; raise rl.algorithm.max_num_gen_batches or check the reward")
-            batch, metrics = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}", step * 1000 + gen,
-                                           timer)
+            batch, metrics = self.generate(self.sampler.indices(step, extra=gen), f"{step}-{gen}",
+                                           self.batch_seed(step, gen), timer)
             gen += 1
             generated.append(batch)
             reward_metrics.append(metrics)
@@ -78,6 +78,12 @@ class RolloutDriver:
         batch = batch.select([i for i, g in enumerate(batch.meta["group_id"]) if g in set(groups)])
         return batch, {"train/num_gen_batches": gen, **average_metrics(reward_metrics), **signal_metrics(generated),
                        **rollout_metrics(generated)}
+
+    def batch_seed(self, step: int, offset: int) -> int:
+        """The sampling seed of generation batch `offset` of `step` (the synchronous loop's dynamic-sampling batch,
+        or the position of an asynchronous chunk's first group in its step): distinct while offset < the stride.
+        The stride stays 1000 up to 1000 groups a step, so runs recorded before it grew keep their samples."""
+        return step * max(1000, self.rl.train_batch_size) + offset
 
     def generate(self, indices: list[int], group_prefix: str, seed: int, timer) -> tuple[Batch, dict[str, float]]:
         """The scored samples of prompt rows `indices` (n each), and the reward metrics."""

@@ -7,10 +7,10 @@ records the policy version of the call that produced it (`RolloutOutput.extra["v
 that version's: the rollout logprobs stay exact for rollout correction.
 
 Samples of one call that reach the segment budget all have the same length, so each continuation call has one
-`max_tokens`; a sample the engine ended shorter, at its max_model_len, is finished. Continuations are one sample
-per prompt (n=1), seeded by the segment (`seed + segment * 7919`), so a run with partial rollouts samples
-differently from one without (the same in distribution). Engines with a prefix cache (vLLM; the cuda engine's park
-when on) reuse the continued prefix's K/V.
+`max_tokens`; a sample the engine ended at its max_model_len (shorter, or exactly at the segment's end) is finished.
+Continuations are one sample per prompt (n=1), seeded by the segment (`seed + segment * 7919`), so a run with
+partial rollouts samples differently from one without (the same in distribution). Engines with a prefix cache
+(vLLM; the cuda engine's park when on) reuse the continued prefix's K/V.
 """
 
 from __future__ import annotations
@@ -51,18 +51,21 @@ def versioned(outputs: list[RolloutOutput], version: int) -> list[RolloutOutput]
 
 
 def generate_in_segments(call: VersionedCall, prompt_ids: list[list[int]], params: SamplingParams,
-                         segment_tokens: int) -> list[RolloutOutput]:
+                         segment_tokens: int, max_model_len: int | None = None) -> list[RolloutOutput]:
     """`params.n` samples per prompt (prompt-major, as one engine call returns them), generated at most
-    `segment_tokens` tokens per call; each output's extra["versions"] holds its tokens' policy versions."""
+    `segment_tokens` tokens per call; each output's extra["versions"] holds its tokens' policy versions.
+    max_model_len: the engine's; a sample whose prompt and tokens fill it is finished."""
     first = replace(params, max_tokens=min(segment_tokens, params.max_tokens))
     outs, version = call(prompt_ids, first)
     samples = [_Partial(o.prompt_index, list(o.response_ids), list(o.logprobs), [version] * len(o.response_ids),
                         o.finish_reason, dict(o.extra)) for o in outs]
     segment, done = 1, first.max_tokens  # tokens every sample still live has generated
     while True:
-        # live: cut by the segment budget alone; a "length" sample shorter than `done` reached the engine's
-        # max_model_len (a tool loop's call has its largest sample's budget), and sending it back would fail there
-        live = [s for s in samples if s.finish_reason == "length" and len(s.response_ids) == done]
+        # live: cut by the segment budget alone; a "length" sample shorter than `done`, or one that fills
+        # max_model_len at `done`, reached the engine's max_model_len (a tool loop's call has its largest sample's
+        # budget), and sending it back would fail there
+        live = [s for s in samples if s.finish_reason == "length" and len(s.response_ids) == done
+                and (max_model_len is None or len(prompt_ids[s.prompt_index]) + done < max_model_len)]
         if not live or done >= params.max_tokens:
             return [s.output() for s in samples]
         seed = None if params.seed is None else params.seed + segment * SEGMENT_SEED_STRIDE

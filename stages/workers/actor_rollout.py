@@ -71,9 +71,14 @@ class StaleEngineError(RuntimeError):
     """The rollout engine's logprobs disagree with the trainer's after a weight sync."""
 
 
+def engine_max_len(cfg: Config) -> int:
+    """The rollout engines' max_model_len: a prompt and its whole response."""
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
 def make_engine(cfg: Config, model_dir: str):
     rollout = cfg.rl.rollout
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    max_len = engine_max_len(cfg)
     if rollout.engine == "vllm":
         from stages.rollout.vllm_engine import VLLMRolloutEngine
 

@@ -5,8 +5,9 @@
 - `AsyncRollout` (stages/rl_async.py) with a fake `produce` and engine: a push landing between two segments of a
   chunk in flight, the staleness bound (wait and drop), the bounded queue, `paused`, failures, timeouts, `close`.
   Threads are ordered with threading.Event; `spy_waits` tells a test when the producer has decided not to start a
-  chunk (it then waits to be notified), so "nothing started" is checked without sleeping. `AsyncSchedule` needs Ray
-  workers and is left to tests/integration/test_async_rl.py.
+  chunk (it then waits to be notified), so "nothing started" is checked without sleeping. `AsyncSchedule`'s chunk
+  bookkeeping (`produce`, `next_batch`) with a stub trainer; the rest of it needs Ray workers and is left to
+  tests/integration/test_async_rl.py.
 - The version columns of the rollouts table (`version_meta`, `trajectory_rows`), `average_metrics`, the tool loop's
   version bookkeeping (`_State.add`, `_cut`) and `AsyncTrainingConfig`.
 """
@@ -17,6 +18,7 @@ import re
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pydantic
 import pytest
@@ -26,8 +28,9 @@ from infra.rl_config import AsyncTrainingConfig
 from stages.agent.tool_loop import _cut, _State
 from stages.agent.trajectory import Trajectory
 from stages.batch import build_batch
-from stages.rl_async import AsyncRollout, Group, RolloutFailed
+from stages.rl_async import AsyncRollout, AsyncSchedule, Group, RolloutFailed
 from stages.rl_data import average_metrics, trajectory_rows, version_meta
+from stages.rl_rollout import RolloutDriver
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.rollout.partial import generate_in_segments, versioned
 
@@ -115,7 +118,7 @@ class Producer:
         if self.error is not None:
             raise self.error
         time.sleep(self.delay_s)
-        groups = [Group(i, f"batch {i}", self.versions.get(i, 0), {}) for i in range(first, first + count)
+        groups = [Group(i, f"batch {i}", self.versions.get(i, 0)) for i in range(first, first + count)
                   if self.keep(i)]
         self.event("finished", first).set()
         return groups
@@ -247,6 +250,18 @@ def test_generate_in_segments_does_not_continue_a_sample_the_engine_ended_at_max
         ([8, 9], [0, 0]), ([2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 1, 1])]
 
 
+def test_generate_in_segments_does_not_continue_a_sample_that_fills_max_model_len_at_the_segments_end():
+    # prompt A (7 tokens) fills max_model_len (10) after exactly one segment of 3: as long as B's first segment, so
+    # only the engine's max_model_len tells that it is done (the old code sent its 10 tokens back and failed there)
+    call = ModelLenCall(max_model_len=10)
+
+    outputs = generate_in_segments(call, [list(range(7)), [0, 1]], SamplingParams(max_tokens=6, seed=1),
+                                   segment_tokens=3, max_model_len=10)
+
+    assert call.calls == [([7, 2], 3), ([5], 3)]
+    assert [len(o.response_ids) for o in outputs] == [3, 6]
+
+
 def test_versioned_tags_every_token_and_keeps_the_outputs_extra():
     out = RolloutOutput(1, [4, 5, 6], [-0.1, -0.2, -0.3], "stop", {"engine": "cuda"})
 
@@ -288,7 +303,7 @@ def test_a_push_lands_between_two_segments_of_the_chunk_in_flight(closing):
     engine = PositionEngine(block_first=True)
 
     def produce(first: int, count: int) -> list[Group]:  # one group of one sample; its outputs are the batch
-        return [Group(first, rollout.generate([[0]], SamplingParams(max_tokens=4, seed=5)), 0, {})]
+        return [Group(first, rollout.generate([[0]], SamplingParams(max_tokens=4, seed=5)), 0)]
 
     # batch size 1, max_staleness 0 (wait): chunk 0 needs version 0, chunk 1 version 1, chunk 2 version 2
     rollout = closing(AsyncRollout(settings(max_staleness=0, partial_rollout_tokens=2), 1, engine, produce,
@@ -454,7 +469,7 @@ def test_close_stops_a_producer_inside_a_chunk_at_its_next_engine_call():
     def produce(first: int, count: int) -> list[Group]:
         assert gate.wait(WAIT_S)
         calls.append(first)
-        return [Group(first, rollout.generate([[0]], SamplingParams(max_tokens=2)), 0, {})]
+        return [Group(first, rollout.generate([[0]], SamplingParams(max_tokens=2)), 0)]
 
     engine = PositionEngine()
     rollout = AsyncRollout(settings(), 2, engine, produce, 0, 0)
@@ -558,6 +573,89 @@ def test_version_meta_and_trajectory_rows_use_the_model_tokens_versions():
         {"policy_version": None, "policy_version_max": None, "staleness": None, "token_policy_versions": [-1, -1]},
         {"policy_version": None, "policy_version_max": None, "staleness": None, "token_policy_versions": []},
     ]
+
+
+class ChunkGen:
+    """The trainer's RolloutDriver as AsyncSchedule.produce calls it: each generate answers the next chunk of
+    `chunks` (per group, its samples' scores) with reward metric `reward/x` = the chunk's number; DAPO's filter on
+    the score. Records the seeds."""
+
+    varied_groups, batch_seed = RolloutDriver.varied_groups, RolloutDriver.batch_seed
+
+    def __init__(self, chunks: list[list[list[float]]], batch_size: int):
+        self.chunks, self.seeds = iter(enumerate(chunks)), []
+        self.rl = SimpleNamespace(train_batch_size=batch_size, algorithm=SimpleNamespace(filter_groups_metric="score"))
+        self.sampler = SimpleNamespace(indices=lambda step: list(range(batch_size)))
+
+    def generate(self, indices, group_prefix, seed, timer):
+        self.seeds.append(seed)
+        number, groups = next(self.chunks)
+        assert len(groups) == len(indices)
+        scores = [s for group in groups for s in group]
+        n = len(scores)
+        meta = {"group_id": [f"{group_prefix}-{k}" for k, group in enumerate(groups) for _ in group],
+                "policy_version": [0] * n, "token_versions": [[0]] * n}
+        batch = scored_batch([[5]] * n, [[1]] * n, meta)
+        batch.tensors["scores"] = batch.tensors["rewards"] = torch.tensor(scores)
+        return batch, {"reward/x": float(number)}
+
+
+def chunk_schedule(chunks: list[list[list[float]]], batch_size: int, filter_groups: bool = True) -> AsyncSchedule:
+    """AsyncSchedule's produce / next_batch on a stub trainer (no workers: __init__ would start them)."""
+    schedule = AsyncSchedule.__new__(AsyncSchedule)
+    schedule.trainer = SimpleNamespace(gen=ChunkGen(chunks, batch_size), tokenizer=SimpleNamespace(pad_token_id=0),
+                                       rl=SimpleNamespace(train_batch_size=batch_size,
+                                                          algorithm=SimpleNamespace(filter_groups=filter_groups)))
+    schedule._untrained, schedule._chunk_metrics = [], []
+    schedule.rollout = SimpleNamespace(version=0)
+    return schedule
+
+
+def take_all(schedule: AsyncSchedule, groups: list[Group]) -> None:
+    schedule.rollout.take = lambda num_groups, version: (groups, {})
+
+
+def test_a_steps_signal_metrics_count_the_groups_dynamic_sampling_dropped_and_empty_chunks_metrics():
+    """Chunks of 4, 2 and 2 groups for a step of 3: 2, then all 2, then 1 group have equal scores. The step reports
+    what the synchronous loop would over all 8 generated groups (the old code: over the 3 kept, 0 with equal
+    scores), and all three chunks' metrics (the old code lost the middle one's)."""
+    varied, equal = [0.0, 1.0], [1.0, 1.0]
+    schedule = chunk_schedule([[varied, equal, varied, [0.0, 0.0]], [equal, equal], [equal, varied]], batch_size=3)
+
+    kept = [schedule.produce(0, 4), schedule.produce(4, 2), schedule.produce(6, 2)]
+
+    assert [indices(groups) for groups in kept] == [[0, 2], [], [7]]
+    take_all(schedule, [g for groups in kept for g in groups])
+    batch, metrics = schedule.next_batch(1)
+    assert len(batch) == 6
+    assert metrics["train/frac_groups_zero_std"] == 5 / 8 and metrics["train/frac_groups_all_wrong"] == 1 / 8
+    assert metrics["train/pass@2"] == 7 / 8
+    assert metrics["async/chunks"] == 3.0 and metrics["async/filtered_groups"] == 5.0
+    assert metrics["reward/x"] == 1.0  # the mean of chunks 0, 1, 2
+
+
+def test_a_group_dropped_for_staleness_hands_its_reports_to_the_next_group_taken(closing):
+    producer = Producer(versions={0: 0, 1: 1})
+    rollout = closing(AsyncRollout(settings(staleness_policy="drop", max_staleness=0, generation_groups=2), 1,
+                                   no_engine, producer, next_group=0, version=0))
+    rollout.start()
+    producer.event("finished", 0).wait(WAIT_S)
+
+    groups, metrics = rollout.take(1, trained_version=1)
+
+    assert indices(groups) == [1] and metrics["async/dropped_groups"] == 1.0
+    assert groups[0].untrained == ["batch 0"]
+
+
+def test_chunk_seeds_stay_apart_when_a_step_has_over_1000_groups():
+    """Chunk seeds were step * 1000 + offset: group 1000 of step 1 had step 2's first seed."""
+    schedule = chunk_schedule([[[1.0]] * 1000, [[1.0]], [[1.0]]], batch_size=1500, filter_groups=False)
+
+    for first, count in ((0, 1000), (1000, 1), (1500, 1)):
+        schedule.produce(first, count)
+
+    step_1, step_1_offset_1000, step_2 = schedule.trainer.gen.seeds
+    assert len({step_1, step_1_offset_1000, step_2}) == 3 and step_1 == 1500  # a batch of <= 1000: step * 1000
 
 
 def test_average_metrics_sums_counts_and_async_keys_and_averages_the_rest():
