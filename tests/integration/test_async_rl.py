@@ -80,7 +80,7 @@ def test_sync_schedule_on_rollout_devices_equals_the_colocated_loop(tiny_data_di
     sql = "SELECT step, group_id, sample_index, response, score, staleness FROM rollouts ORDER BY 1, 2, 3"
     rows_a, rows_b = query(str(tmp_path / "a"), sql), query(str(tmp_path / "b"), sql)
     assert len(rows_a) == 3 * 8 * 4 and rows_a == rows_b
-    for name in ("actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"):
+    for name in ("actor/pg_loss", "actor/grad_norm", "critic/rewards/mean", "train/frac_groups_zero_std"):
         assert metric(tmp_path / "a", name) == metric(tmp_path / "b", name), name
     assert max(metric(tmp_path / "a", "actor/grad_norm")) > 0
     assert metric(tmp_path / "b", "async/staleness/max") == [0.0, 0.0, 0.0]
