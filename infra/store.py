@@ -316,27 +316,26 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
                 self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
         except (*CONNECTION_ERRORS, OSError) as exc:
             waited_s = time.monotonic() - start
-            if not isinstance(exc, TIMEOUTS):  # a storage that does not answer would hold these as long again
-                if committed := self._committed_meanwhile(ref):
-                    logger.warning("the upload of %s failed (%s), but the version is committed with a valid manifest "
-                                   "(another writer stored the same content meanwhile): keeping it", ref, exc)
-                    return
-                if committed is False:  # None: unknown, and removing a committed version's files would corrupt it
-                    self._discard(vdir)
+            # a storage that does not answer would hold the check as long again
+            if not isinstance(exc, TIMEOUTS) and self._committed_meanwhile(ref):
+                logger.warning("the upload of %s failed (%s), but the version is committed with a valid manifest "
+                               "(another writer stored the same content meanwhile): keeping it", ref, exc)
+                return
             raise self._network_error(f"upload of {ref}", exc, waited_s, "; no version was committed (files already "
                                       "sent stay invisible: a re-run overwrites them, gc() removes them)") from exc
 
-    def _committed_meanwhile(self, ref: ArtifactRef) -> bool | None:
-        """After a failed upload: whether ref has a valid manifest now; None if the store could not be asked.
+    def _committed_meanwhile(self, ref: ArtifactRef) -> bool:
+        """After a failed upload: whether ref has a valid manifest now (False if the store could not be asked).
 
         Uploads of the same content go to the same prefix, so a concurrent writer may have committed the version
-        while this one failed; its files are then the version's, and removing the prefix would delete it."""
+        while this one failed. The failed upload's files are never removed: they may be a live writer's, which would
+        then commit a manifest over missing files; the next put of the same content overwrites them, or gc takes
+        them once no heartbeat has touched the prefix for its age."""
         try:
             return self.exists(ref)
         except (StoreError, OSError) as exc:
-            logger.warning("could not check whether %s was committed meanwhile (%s); leaving its files alone", ref,
-                           exc)
-            return None
+            logger.warning("could not check whether %s was committed meanwhile (%s)", ref, exc)
+            return False
 
     def versions(self, kind: str, name: str) -> list[Manifest]:
         """Committed versions of kind/name, oldest first (by created)."""

@@ -79,9 +79,8 @@ def test_outage_mid_upload_commits_nothing_and_a_retry_succeeds(s3_server, s3_st
 
 
 def test_failed_upload_leftovers_are_invisible_until_retried(s3_server, s3_store, tmp_path, monkeypatch):
-    """Cleanup fails too (server down): the files stay without a manifest, invisible; the retry commits."""
+    """The files sent before the failure stay without a manifest, invisible; the retry commits."""
     src = make_dir(tmp_path / "src")
-    monkeypatch.setattr(ArtifactStore, "_discard", lambda self, path: None)
     calls, original = [], ArtifactStore._write_file
 
     def fail_second(self, src_file, dest):
@@ -98,6 +97,31 @@ def test_failed_upload_leftovers_are_invisible_until_retried(s3_server, s3_store
     ref = s3_store.put_dir("dataset", "synthetic", src)  # overwrites the leftover and commits
     assert s3_store.fs.exists(calls[0]) and s3_store.latest("dataset", "synthetic") == ref
     assert s3_store.gc() == 0
+
+
+def test_a_failed_upload_leaves_a_concurrent_writers_files_alone(s3_store, tmp_path, monkeypatch):
+    """Two writers of the same content share the version's prefix. This one fails while the other has sent every
+    file: removing the prefix (the old cleanup) deleted the other's files, which then committed a manifest over
+    missing files, a corrupt version."""
+    src, calls, original = make_dir(tmp_path / "src"), [], ArtifactStore._write_file
+    version_dir = lambda dest: next(dest[: -len(rel) - 1] for rel in FILES if dest.endswith(f"/{rel}"))  # noqa: E731
+
+    def other_writer_then_reset(self, src_file, dest):
+        calls.append(dest)
+        if len(calls) == 2:
+            vdir = version_dir(dest)
+            for rel, data in FILES.items():  # the other writer's files, sent meanwhile
+                self.fs.pipe_file(f"{vdir}/{rel}", data)
+            raise ConnectionResetError("connection reset by peer")
+        return original(self, src_file, dest)
+
+    monkeypatch.setattr(ArtifactStore, "_write_file", other_writer_then_reset)
+    with pytest.raises(StoreError, match="connection reset.*no version was committed"):
+        s3_store.put_dir("dataset", "synthetic", src)
+    monkeypatch.undo()
+    vdir = version_dir(calls[1])
+    assert sorted(s3_store.fs.cat(f"{vdir}/{rel}") for rel in FILES) == sorted(FILES.values())
+    assert s3_store.gc() == 0 and s3_store.artifacts() == []  # invisible; gc waits for the age
 
 
 def test_endpoint_from_environment_and_config(s3_server, monkeypatch):
