@@ -4,8 +4,9 @@
 
 Each of a layer's four projections through F.linear at M = 256, cold (a CUDA graph over 24 copies of the weight:
 every call reads it from HBM, as in the step) and hot (24 calls on one copy: from L2 after the first), and cold
-with the operands swapped (W @ x.T, the output transposed); median of 5 replays, us per call. The attention kernel that prefetched the weights into L2 during the step, measured with this
-bench and not kept, is at commit cc6b4ae (bench/results/2026-11-28-gpu-decode-l2-persistent-layout.md).
+with the operands swapped (W @ x.T, the output transposed); median of 5 replays, us per call. The attention kernel
+that prefetched the weights into L2 during the step, measured with this bench and not kept, is at commit cc6b4ae
+(bench/results/2026-11-28-gpu-decode-l2-persistent-layout.md).
 """
 
 from __future__ import annotations

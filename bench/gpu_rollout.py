@@ -27,8 +27,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_common import (  # noqa: E402
-    Results, calibrate_eos, cuda_time, machine, measure_ceilings, num_params, peak_gib, profile_kernels, reset_peak,
-    workload_model, workload_prompts,
+    Results,
+    calibrate_eos,
+    cuda_time,
+    machine,
+    measure_ceilings,
+    num_params,
+    peak_gib,
+    profile_kernels,
+    reset_peak,
+    workload_model,
+    workload_prompts,
 )
 from stages.batch import build_batch  # noqa: E402
 from stages.model.policy import TokenLogprobs  # noqa: E402

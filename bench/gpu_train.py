@@ -46,7 +46,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_common import (  # noqa: E402
-    Results, machine, measure_ceilings, num_params, peak_gib, profile_kernels, reset_peak, workload_model,
+    Results,
+    machine,
+    measure_ceilings,
+    num_params,
+    peak_gib,
+    profile_kernels,
+    reset_peak,
+    workload_model,
     workload_prompts,
 )
 from stages.batch import Batch, build_batch  # noqa: E402

@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import Results, calibrate_eos, machine, word_tokenizer, workload_model  # noqa: E402
-from bench.gpu_common import workload_prompts  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    Results,
+    calibrate_eos,
+    machine,
+    word_tokenizer,
+    workload_model,
+    workload_prompts,  # noqa: E402
+)
 
 STEPS_PER_CYCLE = 2  # optimizer steps per 256 generated sequences, as bench/gpu_worker.py's --minis 2
 
@@ -87,9 +93,9 @@ class StepTimer:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    import trl
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
-    import trl
 
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     res = Results("gpu-trl", args.out)

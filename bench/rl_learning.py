@@ -23,8 +23,8 @@ from infra.checkpoints import StoreCheckpoints
 from infra.config import load_config
 from infra.sql import query
 from infra.store import ArtifactStore
-from infra.trajectories import RunTables
 from infra.tracking import Tracker
+from infra.trajectories import RunTables
 from stages.data_prep import corpus_texts, run_data_prep
 from stages.evaluate import evaluate_model
 from stages.merge import checkpoint_metadata, merge_checkpoint, merge_source

@@ -18,7 +18,8 @@ from infra.config_base import Section
 
 class OptimConfig(Section):
     """The one optimizer section (AdamW + LR schedule): rl.actor.optim, rl.critic.optim and sft.optim. The class
-    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in infra/config_sections.py)."""
+    defaults are the RL ones (verl's betas); SFT's section starts from its own (sft.optim in
+    infra/config_sections.py)."""
 
     lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 DIRECT_MIN_PROGRAMS = 128  # (sequence, kv head) pairs from which one program per pair is the faster kernel
 
 
