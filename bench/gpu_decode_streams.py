@@ -26,7 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_common import capture_graph, graph_seconds, machine, measure_ceilings, profile_kernels, workload_model  # noqa: E402  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    capture_graph,
+    graph_seconds,
+    machine,
+    measure_ceilings,
+    profile_kernels,
+    workload_model,
+)
 from stages.rollout.cuda_engine import CudaRolloutEngine  # noqa: E402
 
 B, LOW, HIGH, MAX_LEN = 256, 128, 704, 768

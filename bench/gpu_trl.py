@@ -41,7 +41,7 @@ from bench.gpu_common import (  # noqa: E402
     machine,
     word_tokenizer,
     workload_model,
-    workload_prompts,  # noqa: E402
+    workload_prompts,
 )
 
 STEPS_PER_CYCLE = 2  # optimizer steps per 256 generated sequences, as bench/gpu_worker.py's --minis 2
