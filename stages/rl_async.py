@@ -75,7 +75,14 @@ class Group:
     def absorb(self, dropped: Group) -> None:
         """Report a group dropped before this one (and what it carried) with this one."""
         self.metrics = dropped.metrics + self.metrics
-        self.untrained = [*dropped.untrained, dropped.batch, *self.untrained]
+        self.untrained = [*dropped.untrained, for_metrics(dropped.batch), *self.untrained]
+
+
+def for_metrics(group: Batch) -> Batch:
+    """What a step's signal and tool metrics read of an untrained group (its rewards and scores, group ids and
+    turn counts): a long run of groups without signal stays small until a kept group carries it."""
+    return Batch({k: group.tensors[k] for k in ("rewards", "scores")},
+                 {k: group.meta[k] for k in ("group_id", "num_turns", "rollout_metrics")})
 
 
 class AsyncRollout:
@@ -331,7 +338,7 @@ class AsyncSchedule:
         for group_id, members in rows.items():
             group = batch.select(members)
             if group_id not in kept:
-                self._untrained.append(group)
+                self._untrained.append(for_metrics(group))
                 continue
             versions = [v for v in group.meta["policy_version"] if v is not None]
             groups.append(Group(first + int(group_id.rsplit("-", 1)[1]), group,

@@ -96,7 +96,7 @@ def no_engine(prompt_ids, params):
 class Producer:
     """A fake `produce(first, count)`: records (first, count), sets event("started", first), waits for its gate when
     `first` is in `gated`, raises `error` if given, sleeps `delay_s`, then sets event("finished", first) and returns
-    one Group per index that `keep` keeps (version `versions[index]`, default 0; the batch is a string)."""
+    one Group per index that `keep` keeps (version `versions[index]`, default 0; one sample, group id g<index>)."""
 
     def __init__(self, versions: dict[int, int] | None = None, gated: tuple[int, ...] = (),
                  error: BaseException | None = None, keep=lambda index: True, delay_s: float = 0.0):
@@ -118,8 +118,8 @@ class Producer:
         if self.error is not None:
             raise self.error
         time.sleep(self.delay_s)
-        groups = [Group(i, f"batch {i}", self.versions.get(i, 0)) for i in range(first, first + count)
-                  if self.keep(i)]
+        groups = [Group(i, scored_batch([[5]], [[1]], {"group_id": [f"g{i}"]}), self.versions.get(i, 0))
+                  for i in range(first, first + count) if self.keep(i)]
         self.event("finished", first).set()
         return groups
 
@@ -644,7 +644,7 @@ def test_a_group_dropped_for_staleness_hands_its_reports_to_the_next_group_taken
     groups, metrics = rollout.take(1, trained_version=1)
 
     assert indices(groups) == [1] and metrics["async/dropped_groups"] == 1.0
-    assert groups[0].untrained == ["batch 0"]
+    assert [b.meta["group_id"] for b in groups[0].untrained] == [["g0"]]
 
 
 def test_chunk_seeds_stay_apart_when_a_step_has_over_1000_groups():
