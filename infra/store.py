@@ -18,12 +18,13 @@ manifest exists and is valid.
 - local: files and manifest are copied into ``.staging/{uuid}/`` and the folder is renamed to its final
   place with one ``os.rename`` (same file system, atomic). A crash leaves only a staging folder.
 - remote (s3): files are uploaded to the final prefix, the manifest last (one PUT is atomic). A failed upload raises
-  ``StoreError``, is cleaned up best-effort (not after a timeout) and stays invisible; a retry of the same content
-  overwrites and commits it. If a valid manifest of the version exists after the failure (another writer stored the
-  same content meanwhile), the version is complete: it is kept and the put succeeds, as on a local store; if the store
-  cannot say, nothing is removed. ``gc()`` removes staging and manifest-less version folders untouched (newest mtime)
-  for an hour: safe while flows write, however large their files (a local copy moves the mtime as it writes, an upload
-  rewrites a heartbeat: infra/store_heartbeat.py); ``gc(now=True)`` at once, when nothing writes.
+  ``StoreError`` and stays invisible; its files are left (writers of the same content share the prefix, so removing
+  them could delete a live one's), and a retry of the same content overwrites and commits them. If a valid manifest
+  of the version exists after the failure (another writer stored the same content meanwhile), the version is
+  complete: it is kept and the put succeeds, as on a local store. ``gc()`` removes staging and manifest-less version
+  folders untouched (newest mtime) for an hour: safe while flows write, however large their files (a local copy
+  moves the mtime as it writes, an upload rewrites a heartbeat: infra/store_heartbeat.py); ``gc(now=True)`` at once,
+  when nothing writes.
 - ``write_bytes``: local = temp file in the same folder + ``os.replace``; s3 = one PUT. ``gc()`` removes a temp file
   (or a partial download into the cache) left by a killed process once it is untouched for an hour (GcReport).
 

@@ -321,10 +321,11 @@ class AsyncSchedule:
         # timed as a whole (async/generate_s), not by a step's timer
         batch, metrics = t.gen.generate(indices, f"{step}-{offset}", t.gen.batch_seed(step, offset),
                                         lambda name: nullcontext())
-        chunk_metrics = {**metrics, "async/generate_s": time.perf_counter() - start, "async/chunks": 1.0}
+        generated = time.perf_counter() - start
         kept = set((t.gen.varied_groups(batch) if t.rl.algorithm.filter_groups else batch).meta["group_id"])
         groups = self._groups(batch, kept, first)
-        self._chunk_metrics.append({**chunk_metrics, "async/filtered_groups": float(count - len(groups))})
+        self._chunk_metrics.append({**metrics, "async/generate_s": generated, "async/chunks": 1.0,
+                                    "async/filtered_groups": float(count - len(groups))})
         if groups:
             groups[0].metrics, self._chunk_metrics = self._chunk_metrics, []
         return groups
