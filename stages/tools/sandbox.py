@@ -24,10 +24,16 @@ run takes a `slot()`, unless the code awaiting it holds one already, as `run_too
   that; RLIMIT_NPROC then bounds a fork bomb, except for root, whom the kernel exempts). A child that starts
   its own session escapes the group kill; there is no PID namespace, because `unshare --pid --fork` does not
   pass on how the child died (SIGXCPU reads as exit 0 or 1 with util-linux 2.38).
+- Files and signals: where the kernel has Landlock (`filesystem: auto`, probed once), the prelude restricts
+  the process before any user code runs: writes only inside the work dir (and /dev/null) by any path or
+  descriptor, from Landlock ABI 4 no TCP, from ABI 6 no signal to a process outside the sandbox
+  (sandbox_prelude.py). Without it (`filesystem: audit`, or `auto` on an older kernel, with a warning) the audit
+  hook alone refuses Python-level writes outside the work dir, and misses a write relative to a directory
+  descriptor and `signal.pidfd_send_signal`.
 
-Running as root: RLIMIT_NPROC does not bind root, and files writable by root are writable by the code except
-that the audit hook refuses Python-level writes outside the work dir. `run_as_uid` runs the code as another
-user (needs a `python_executable` that user can read, e.g. /usr/bin/python3 when the venv lives in /root).
+Running as root: RLIMIT_NPROC does not bind root. Without Landlock, files writable by root are writable by the
+code except that the audit hook refuses Python-level writes outside the work dir. `run_as_uid` runs the code as
+another user (needs a `python_executable` that user can read, e.g. /usr/bin/python3 when the venv lives in /root).
 
 The tool's text is the output, then one line per abnormal end: `[timeout: killed after 10 s]`,
 `[output truncated at 65536 bytes; process killed]`, `[disk limit: wrote more than 256 MiB; process killed]`,
@@ -59,6 +65,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.tools.base import BaseTool, ToolFunction, ToolResponse, ToolSchema
+from stages.tools.sandbox_prelude import landlock_abi
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +98,9 @@ class SandboxConfig(BaseModel):
     network: Literal["auto", "namespace", "audit"] = Field(
         default="auto", description="No-network method: a network namespace (auto: when available) or the "
         "audit hook alone.")
+    filesystem: Literal["auto", "landlock", "audit"] = Field(
+        default="auto", description="Barrier to writes outside the work dir (and, by the kernel's Landlock ABI, "
+        "to TCP and to signals out of the sandbox): Landlock (auto: when the kernel has it) or the audit hook alone.")
     allow_subprocess: bool = Field(default=False, description="Let the code start processes (bounded by NPROC).")
     python_executable: str | None = Field(default=None, description="Interpreter; None = this one's.")
     run_as_uid: int | None = Field(default=None, ge=1, description="Run as this uid (and gid); needs root.")
@@ -172,12 +182,20 @@ class Sandbox:
                            problem)
         self.network_method = "audit" if problem or config.network == "audit" else "namespace"
         self._prefix = [unshare, "-rn", "--"] if self.network_method == "namespace" else []
+        self.landlock = 0 if config.filesystem == "audit" else landlock_abi()
+        if config.filesystem == "landlock" and not self.landlock:
+            raise ValueError("python tool filesystem='landlock' but this kernel has no Landlock (Linux 5.13+ with "
+                             "landlock in its LSM list); use filesystem='auto' or 'audit'")
+        if config.filesystem == "auto" and not self.landlock:
+            logger.warning("python tool: no Landlock in this kernel; writes outside the work dir and signals are "
+                           "refused by the audit hook only")
         if os.geteuid() == 0 and config.run_as_uid is None:
             logger.info("python tool runs code as root: RLIMIT_NPROC does not bind root; set run_as_uid to change")
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _command(self) -> list[str]:
-        settings = {"max_processes": self.config.max_processes, "allow_subprocess": self.config.allow_subprocess}
+        settings = {"max_processes": self.config.max_processes, "allow_subprocess": self.config.allow_subprocess,
+                    "landlock": self.landlock}
         return [*self._prefix, self.python, "-I", "-S", "-B", "-u", "-c", PRELUDE, json.dumps(settings)]
 
     def _limits(self) -> tuple[tuple[int, int, int], ...]:

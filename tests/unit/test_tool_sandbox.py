@@ -1,13 +1,18 @@
 """The Python sandbox against real processes: limits (wall clock with child processes, CPU, memory, file
-size, output bytes, processes), refusals (network, processes, writes outside the work dir), isolation (empty
+size, output bytes, processes), refusals (network, processes, writes outside the work dir, by the audit hook and by
+Landlock), isolation (empty
 environment, fresh work dir removed after) and concurrency, shown by overlapping timestamps."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,9 +20,11 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from stages.tools import sandbox as sandbox_module
 from stages.tools.base import ToolCall
 from stages.tools.calls import run_tool_call
 from stages.tools.sandbox import PythonTool, Sandbox, SandboxConfig, namespaces_work, strip_code_fence
+from stages.tools.sandbox_prelude import landlock_abi
 
 FAST = {"timeout_s": 5, "cpu_time_s": 5}
 
@@ -161,18 +168,77 @@ def test_disk_limit_counts_all_files():
         "written\n[disk limit: wrote more than 4 MiB; process killed]")
 
 
-def test_writes_outside_the_work_dir_refused(tmp_path):
-    target = tmp_path / "escape.txt"
+@pytest.mark.parametrize("filesystem", ["auto", "audit"])
+def test_writes_outside_the_work_dir_refused(tmp_path, filesystem):
+    target, existing = tmp_path / "escape.txt", tmp_path / "existing.txt"
+    existing.write_text("original")
     for code in (f"open({str(target)!r}, 'w').write('x')",
                  f"import os\nos.symlink({str(target)!r}, 'link')\nopen('link', 'w').write('x')",
+                 f"import os\nos.link({str(existing)!r}, 'link')\nopen('link', 'a').write('x')",
                  f"import os\nos.remove({str(Path(__file__))!r})"):
-        text, _ = run_code(code)
+        text, _ = run_code(code, filesystem=filesystem)
         assert "writing outside the working directory is not allowed" in text, text
-    assert not target.exists() and Path(__file__).exists()
+    assert not target.exists() and Path(__file__).exists() and existing.read_text() == "original"
     text, _ = run_code("import os, shutil, tempfile\nos.makedirs('a/b')\nopen('a/b/c', 'w').write('1')\n"
                        "shutil.rmtree('a')\nwith tempfile.TemporaryFile() as f:\n    f.write(b'ok')\n"
                        "open('/dev/null', 'w').write('x')\nprint(sorted(os.listdir('.')))")
     assert text == "['main.py']\n"
+
+
+needs_landlock = pytest.mark.skipif(landlock_abi() == 0, reason="needs Landlock (Linux 5.13+)")
+
+
+@needs_landlock
+def test_landlock_refuses_a_write_the_audit_hook_cannot_see(tmp_path):
+    """A write relative to a directory descriptor passes the audit hook (Python's open event has no dir_fd)."""
+    victim = tmp_path / "f"
+    victim.write_text("original")
+    code = (f"import os\nfolder = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+            "os.write(os.open('f', os.O_WRONLY | os.O_TRUNC, dir_fd=folder), b'x')")
+    text, sandbox = run_code(code)
+    assert sandbox.landlock >= 1 and "PermissionError: [Errno 13] Permission denied: 'f'" in text, text
+    assert victim.read_text() == "original"
+    run_code(code, filesystem="audit")  # the hook alone: the write goes through
+    assert victim.read_text() == "x"
+
+
+@pytest.mark.skipif(landlock_abi() < 6, reason="needs Landlock ABI 6 (Linux 6.12+) for signal scoping")
+def test_landlock_refuses_a_signal_to_a_process_outside_the_sandbox():
+    """pidfd_send_signal raises no audit event; the hook alone lets it kill the trainer's processes."""
+    victims = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        code = "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({}), signal.SIGKILL)\nprint('sent')"
+        text, _ = run_code(code.format(victims[0].pid))
+        assert "PermissionError: [Errno 1] Operation not permitted" in text, text
+        text, _ = run_code(code.format(victims[1].pid), filesystem="audit")
+        assert text == "sent\n" and victims[1].wait(5) == -signal.SIGKILL
+        assert victims[0].poll() is None
+    finally:
+        for victim in victims:
+            victim.kill()
+            victim.wait()
+
+
+@pytest.mark.skipif(landlock_abi() < 4, reason="needs Landlock ABI 4 (Linux 6.7+) for TCP")
+def test_landlock_alone_refuses_tcp(listener, tmp_path):
+    """The prelude's `restrict` without the audit hook or a namespace: the kernel refuses the connect."""
+    port, accepted = listener
+    code = ("import socket, sys\nfrom stages.tools.sandbox_prelude import landlock_abi, restrict\n"
+            f"restrict(sys.argv[1], landlock_abi())\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "PermissionError: [Errno 13]" in done.stderr, done.stderr
+    time.sleep(0.3)
+    assert accepted == []
+
+
+def test_filesystem_landlock_where_the_kernel_has_none(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module, "landlock_abi", lambda: 0)
+    with pytest.raises(ValueError, match="filesystem='landlock' but this kernel has no Landlock"):
+        Sandbox(SandboxConfig(filesystem="landlock"))
+    with caplog.at_level(logging.WARNING):
+        assert Sandbox(SandboxConfig()).landlock == 0
+    assert "no Landlock in this kernel" in caplog.text
 
 
 @pytest.fixture
