@@ -202,6 +202,13 @@ class StorageConfig(Section):
             raise ValueError(f"root={self.root!r}: use a local path, file://, memory:// or s3://bucket/prefix")
         return self
 
+    @field_validator("root")
+    @classmethod
+    def _no_glob_characters(cls, root: str) -> str:
+        if problem := glob_problem(root):
+            raise ValueError(problem)
+        return root
+
     @field_validator("endpoint_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
@@ -209,6 +216,16 @@ class StorageConfig(Section):
         if problem:
             raise ValueError(problem)
         return url
+
+
+def glob_problem(path: str) -> str | None:
+    """Why a store root cannot hold path (None: it can): the store finds versions and table files by glob
+    patterns under its root (fsspec's and DuckDB's), where these characters are patterns, not names; gc would
+    then find no committed version and take every one for an abandoned upload."""
+    if found := sorted(set("*?[]") & set(path)):
+        return (f"{' '.join(found)} in the path: the store matches file names under its root with glob "
+                "patterns, in which these characters are patterns. Fix: choose a folder whose path has none of * ? [ ]")
+    return None
 
 
 ENDPOINT_EXAMPLE = "http://127.0.0.1:9000 (a local S3 server) or https://s3.us-east-1.amazonaws.com"

@@ -67,7 +67,7 @@ from botocore.exceptions import NoCredentialsError
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, hash_dir
 from infra.config import ConfigError
-from infra.config_sections import StorageConfig, endpoint_url_problem
+from infra.config_sections import StorageConfig, endpoint_url_problem, glob_problem
 from infra.s3 import s3_filesystem, stall_bound_s
 from infra.store_base import ARTIFACTS, CONNECTION_ERRORS, STAGING, TIMEOUTS, CorruptArtifactError, StoreError
 from infra.store_gc import GC_MIN_AGE_S, GarbageCollection, GcReport
@@ -117,6 +117,8 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
         else:
             self.fs = fsspec.filesystem("file")
             self._base = _local_root(root)
+        if problem := glob_problem(self._base):
+            raise ConfigError(f"storage.root={root!r} (resolved: {self._base!r}): {problem}")
 
     @property
     def identity(self) -> tuple[str, ...]:

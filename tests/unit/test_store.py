@@ -16,6 +16,7 @@ import pytest
 
 from infra.artifacts import MANIFEST, ArtifactRef, code_version
 from infra.store import ArtifactStore, StoreError
+from infra.config import ConfigError, load_config
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -317,6 +318,21 @@ def test_a_root_under_an_unknown_user_is_a_config_error_naming_storage_root(tmp_
     assert main(["storage.root=~no-such-user-rlpipe/x", f"run.output_dir={tmp_path / 'out'}"]) == 2
     assert capsys.readouterr().err.startswith("error: storage.root='~no-such-user-rlpipe/x': there is no user")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_root_with_glob_characters_is_a_config_error_before_anything_is_written(tmp_path, monkeypatch):
+    """In `[1]` a glob reads a character class: gc found no committed version under such a root and removed every
+    one as an abandoned upload; reads and tables saw nothing."""
+    with pytest.raises(ConfigError, match=r"storage\.root = '.*store\[1\]': \[ \] in the path.*Fix: "):
+        load_config(None, [f"storage.root={tmp_path / 'store[1]'}"])
+    with pytest.raises(ValueError, match=r"storage\.root='s3://b/run\*'.*\* in the path"):
+        ArtifactStore("s3://b/run*")
+    folder = tmp_path / "proj[2]"  # a relative root under such a working folder
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    with pytest.raises(ValueError, match=r"storage\.root='outputs/store' \(resolved: '.*proj\[2\]/outputs/store'\)"):
+        ArtifactStore("outputs/store")
+    assert list(folder.iterdir()) == []
 
 
 def test_a_bad_aws_endpoint_url_is_a_config_error_before_the_flow(tmp_path, capsys, monkeypatch):
