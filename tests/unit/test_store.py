@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 
 from infra.artifacts import MANIFEST, ArtifactRef, code_version
-from infra.store import ArtifactStore, StoreError
 from infra.config import ConfigError, load_config
+from infra.store import ArtifactStore, StoreError
 
 PROJECT = Path(__file__).resolve().parents[2]
 
