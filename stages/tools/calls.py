@@ -18,9 +18,10 @@ enforces its own wall-clock limit (`tool.own_timeout_s`: the sandbox's `timeout_
 at least that long, so the output so far and the tool's note on the limit reach the model instead of a bare
 timeout error.
 
-A timed-out call is cancelled. A coroutine stops at its next await; a synchronous function running in a
-worker thread (function tools) cannot be stopped and runs to its end in the background, so tools that can
-hang on CPU belong in a subprocess (the sandbox) or a remote server.
+A timed-out call is cancelled. A coroutine stops at its next await; a synchronous function (function tools)
+runs in a daemon thread of its own, which cannot be stopped: it runs to its end in the background while the
+rollout goes on and ends without waiting for it, so tools that can hang on CPU belong in a subprocess (the
+sandbox) or a remote server.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ JSON types (`str` string, `int` integer, `float` number, `bool` boolean, `list[X
 `dict` object, `Literal[...]` enum, `X | None` = X or null); a parameter without a hint accepts any JSON
 value. `additionalProperties` is false, because an unexpected keyword would be a TypeError in the call.
 
-The function may be sync (run in a worker thread, so it does not block the event loop) or async, and
+The function may be sync (run in a thread of its own, so it does not block the event loop, and one that
+outlives its timeout does not hold up the rollout: `in_own_thread`) or async, and
 returns `str`, `(str, reward)` or a `ToolResponse`. The reward is a step reward, which the loop adds to the
 trajectory's tool reward; `calc_reward` adds nothing more.
 """
@@ -23,8 +24,10 @@ trajectory's tool reward; `calc_reward` adds nothing more.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -65,8 +68,35 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**arguments)
         else:
-            result = await asyncio.to_thread(self.fn, **arguments)
+            result = await in_own_thread(self.fn, **arguments)
         return _as_response(result, self.name)  # its reward is a step reward: the loop adds it, once
+
+
+async def in_own_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in a daemon thread of its own. A call that outlives its timeout (a thread cannot be
+    stopped) runs on in the background without holding anything up: `asyncio.to_thread` ran it in the event loop's
+    default executor, which `asyncio.run` joins when it ends (a batch of rollouts waited for the hung function,
+    forever for one that never returns) and whose threads the engine calls share (hung calls starved them)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():  # else: cancelled (timed out); nobody reads it
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (context.run(fn, *args, **kwargs), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: the call had timed out long ago
+            pass
+
+    threading.Thread(target=run, name=f"function-tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await future
 
 
 def function_tool(fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> FunctionTool:

@@ -7,6 +7,7 @@ the loop, the parser, the tools and the template are the real ones."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -240,6 +241,35 @@ def test_a_function_tools_step_rewards_count_once(tokenizer):
     call = '<tool_call>{"name": "grade", "arguments": {"answer": 4}}</tool_call>'
     [t], _, _ = run(tokenizer, {0: [call, call, "#### 4"]}, tools={"grade": function_tool(grade)}, max_tokens=500)
     assert t.tool_reward == 2.0  # two calls of 1.0 (calc_reward adds nothing for a function tool)
+
+
+def test_a_hung_function_tool_times_out_without_holding_up_the_batch(tokenizer):
+    """A sync function that outlives its timeout: the model reads the timeout, the batch ends while the function
+    still runs (it ran in the event loop's default executor, which asyncio.run joins: the batch waited for it, and
+    forever for one that never returns), and other samples' engine calls are not starved meanwhile."""
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def lookup(query: str) -> str:
+        """Look something up."""
+        started.release()
+        release.wait()
+        return "late"
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"query": "x"}}</tool_call>'
+    hung = {k: [call, "#### 1"] for k in range(40)}  # more than the default executor's threads (at most 32)
+    backstop = threading.Timer(60, release.set)  # so that a regression fails instead of hanging the suite
+    backstop.start()
+    try:
+        trajectories, _, _ = run(tokenizer, {**hung, 40: ["#### 4"]}, tools={"lookup": function_tool(lookup)},
+                                 tool_timeout_s=0.2, max_tokens=500)
+        assert not release.is_set(), "the batch waited for the hung functions"
+        assert all(started.acquire(timeout=0) for _ in range(40))  # every call started
+        answers = [[r["text"] for r in t.turns if r["role"] == "tool"] for t in trajectories[:40]]
+        assert answers == [[answers[0][0]]] * 40 and "timed out" in answers[0][0], answers[0]
+        assert trajectories[40].text == "#### 4"
+    finally:
+        release.set()
+        backstop.cancel()
 
 
 def test_tools_kwargs_read_back_from_parquet_give_each_tool_its_own_kwargs(tmp_path):
