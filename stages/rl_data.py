@@ -98,8 +98,11 @@ def _sample_indices(outputs: list[Trajectory]) -> list[int]:
 
 
 def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
-    """Re-pad samples of several Batches into one (used when dynamic sampling needs more generations)."""
-    prompts, responses, logprobs, masks, meta = [], [], [], [], {}
+    """Re-pad samples of several Batches into one (dynamic sampling's further generations, the async modes' groups
+    of several chunks). A meta key that some batches lack (a reward component only one data source's scorer
+    returns, where a batch had no sample of it) is NaN (`reward_*`) or None in their samples, so every key keeps
+    one value per sample."""
+    prompts, responses, logprobs, masks = [], [], [], []
     for b in batches:
         t, num_response = b.tensors, b.num_response_tokens
         for i in range(len(b)):
@@ -109,8 +112,9 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
             responses.append(t["input_ids"][i, -num_response:][:n].tolist())
             logprobs.append(t["rollout_logprobs"][i, :n].tolist())
             masks.append(b.response_mask[i, :n].long().tolist())
-        for k, v in b.meta.items():
-            meta.setdefault(k, []).extend(v)
+    keys = dict.fromkeys(k for b in batches for k in b.meta)
+    meta = {k: [v for b in batches for v in b.meta.get(k, [math.nan if k.startswith("reward_") else None] * len(b))]
+            for k in keys}
     batch = build_batch(prompts, responses, logprobs, pad_token_id, meta, masks)
     for key, value in batches[0].tensors.items():  # per-sample values (scores, rewards, baselines)
         if value.dim() == 1:

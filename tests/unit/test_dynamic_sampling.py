@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-from stages.rl_data import varied_rows
+import torch
+
+from stages.batch import build_batch
+from stages.rl_data import concat_batches, trajectory_rows, varied_rows
 
 NAN = math.nan
 
@@ -35,3 +38,27 @@ def test_single_sample_groups_are_kept_as_in_verl():
 
 def test_rounding_hides_float_noise_not_real_differences():
     assert varied_rows(["a", "a", "b", "b"], [0.1 + 0.2, 0.3, 0.5, 0.5001], [0.0] * 4) == [2, 3]
+
+
+def test_batches_whose_reward_components_differ_concatenate_one_value_per_sample():
+    """Groups scored in separate calls (dynamic sampling's top-ups, the async modes' chunks): only one call's data
+    source returned an `acc` beside its score. The key was extended by that batch's samples alone, so the rollouts
+    table's rows raised IndexError after the step's update."""
+    with_acc = scored([[5, 6], [7]], {"group_id": ["1-0"] * 2, "reward_acc": [1.0, 0.0], "response": ["a", "b"]})
+    without = scored([[8, 9]], {"group_id": ["1-1"], "response": ["c"]})
+
+    batch = concat_batches([without, with_acc], pad_token_id=0)
+
+    assert batch.meta["group_id"] == ["1-1", "1-0", "1-0"] and batch.meta["response"] == ["c", "a", "b"]
+    assert [str(v) for v in batch.meta["reward_acc"]] == ["nan", "1.0", "0.0"]
+    rows = trajectory_rows(batch, ["p"] * 3, policy_version=0)
+    assert [str(r["reward_acc"]) for r in rows] == ["nan", "1.0", "0.0"]
+
+
+def scored(responses: list[list[int]], meta: dict):
+    n = len(responses)
+    base = {"sample_index": list(range(n)), "data_source": ["math"] * n, "ground_truth": ["4"] * n,
+            "finish_reason": ["stop"] * n, "num_turns": [1] * n, "rollout_metrics": [{}] * n}
+    batch = build_batch([[1, 2]] * n, responses, [[-0.5] * len(r) for r in responses], 0, {**base, **meta})
+    batch.tensors["scores"] = batch.tensors["rewards"] = torch.ones(n)
+    return batch
