@@ -183,8 +183,9 @@ class AsyncTrainingConfig(Section):
                                           "(None: rl.train_batch_size).")
     queue_groups: int | None = Field(None, gt=0, description="fully_async: scored groups waiting at most (None: "
                                      "twice rl.train_batch_size).")
-    rollout_timeout_s: float = Field(600.0, gt=0, description="Longest the trainer waits for the next group "
-                                     "before failing (a stalled rollout worker).")
+    rollout_timeout_s: float = Field(600.0, gt=0, description="Longest the trainer waits for the next group, "
+                                     "or a weight push or validation for the chunk in flight, before failing (a "
+                                     "stalled rollout worker).")
 
     @model_validator(mode="after")
     def _pushes_keep_up(self) -> AsyncTrainingConfig:

@@ -26,7 +26,8 @@ the queue has room (`queue_groups`), and the trainer drops groups over the bound
 
 Resume: the checkpoint records the next group to take (`next_group`); groups that were queued or in flight when the
 run stopped are generated again, with the checkpoint's weights. A rollout worker that dies fails the step with its
-error; one that stalls fails it after `rollout_timeout_s` without a group; dynamic sampling that generates
+error; one that stalls fails it after `rollout_timeout_s` without a group (or with a weight push or validation
+waiting that long for its engine call or chunk in flight); dynamic sampling that generates
 `max_num_gen_batches` steps' worth of groups without filling a step fails it as the synchronous loop does (it
 used to generate on until that timeout, which then blamed the workers). Validation pauses the producer at a chunk
 boundary and pushes the current weights first, so it measures the policy of the step.
@@ -241,9 +242,14 @@ class AsyncRollout:
         start = time.perf_counter()
         with self._cond:
             self._pushing = True
-            self._cond.wait_for(lambda: self._in_engine == 0)
-        waited = time.perf_counter() - start
         try:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._in_engine == 0, timeout=self.timeout_s):
+                    raise RolloutFailed(
+                        f"a weight push waited {self.timeout_s:g} s (rl.async_training.rollout_timeout_s) for the "
+                        "rollout workers' engine call in flight: a rollout worker is stalled, or one engine call "
+                        "takes longer (then raise the timeout, or lower rl.async_training.generation_groups)")
+            waited = time.perf_counter() - start
             metrics = send()
             with self._cond:
                 self.version = version
@@ -258,10 +264,11 @@ class AsyncRollout:
         """No chunk runs inside (the one in flight finishes first): the engines and the reward pool are free."""
         with self._cond:
             self._pausing = True
-            self._cond.wait_for(lambda: not self._in_chunk or self._error is not None)
         try:
             with self._cond:
-                self._raise_failure(True)
+                ready = self._cond.wait_for(lambda: not self._in_chunk or self._error is not None,
+                                            timeout=self.timeout_s)
+                self._raise_failure(ready)
             yield
         finally:
             with self._cond:

@@ -333,6 +333,49 @@ def test_a_push_lands_between_two_segments_of_the_chunk_in_flight(closing):
     assert (out.response_ids, out.extra["versions"]) == ([1, 2, 3, 4], [0, 0, 1, 1])
 
 
+def test_a_push_or_a_pause_behind_a_stalled_rollout_worker_fails_after_the_timeout(closing):
+    """The engine call (or the chunk) in flight never returns: push and paused waited for it forever; now they fail
+    as take does, after rollout_timeout_s, and leave the producer free to go on."""
+    engine = PositionEngine(block_first=True)
+
+    def produce(first: int, count: int) -> list[Group]:
+        return [Group(first, rollout.generate([[0]], SamplingParams(max_tokens=4, seed=5)), 0)]
+
+    rollout = closing(AsyncRollout(settings(rollout_timeout_s=0.05), 1, engine, produce, next_group=0, version=0),
+                      engine.release)
+    rollout.start()
+    assert engine.entered.wait(WAIT_S)
+
+    def pause() -> None:
+        with rollout.paused():
+            pass
+
+    errors = [in_thread(lambda: rollout.push(1, lambda: {})), in_thread(pause)]  # a hang fails, not hangs the suite
+
+    assert [type(e) for e in errors] == [RolloutFailed, RolloutFailed], errors
+    assert str(errors[0]).startswith("a weight push waited 0.05 s (rl.async_training.rollout_timeout_s) for the "
+                                     "rollout workers' engine call in flight")
+    assert str(errors[1]).startswith("no scored group came from the rollout workers in 0.05 s")
+    assert rollout.version == 0 and not rollout._pushing and not rollout._pausing
+
+
+def in_thread(call) -> BaseException | None:
+    """What `call()` raised, run in a thread that must end within WAIT_S."""
+    raised: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            raised[0] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "still waiting"
+    return raised[0]
+
+
 def test_wait_starts_no_chunk_before_the_engines_hold_the_version_its_last_group_needs(closing):
     producer = Producer(versions={2: 1, 3: 1})  # what the engines hold when their chunk starts
     # max_staleness 0, batch 2, chunks of 2: the chunk of groups 2-3 is trained by step 2, on version 1
