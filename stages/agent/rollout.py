@@ -24,13 +24,20 @@ logger = logging.getLogger(__name__)
 
 
 def load_rollout_tools(multi_turn: Any) -> dict:
-    """The tools of `rl.multi_turn`: its YAML file's (verl's format) and its plain functions, by name."""
+    """The tools of `rl.multi_turn`: its YAML file's (verl's format) and its plain functions, by name. With tools,
+    `rl.multi_turn.format` must name a tool-call parser (checked here, after the tools' modules, which may register
+    one, are imported: an unknown format failed at the first model turn, after a batch's generation)."""
+    from stages.tools.parsers import TOOL_PARSERS
     from stages.tools.registry import load_tools
 
     entries: list = []
     if multi_turn.tool_config_path:
         entries += load_tools(multi_turn.tool_config_path).values()
     entries += [load_object(spec, "rl.multi_turn.tool_functions entry") for spec in multi_turn.tool_functions]
+    if entries and multi_turn.format not in TOOL_PARSERS:
+        raise ValueError(f"rl.multi_turn.format={multi_turn.format!r} names no tool-call parser; valid: "
+                         f"{', '.join(TOOL_PARSERS)} (a parser of your own: stages.tools.parsers.register_parser in "
+                         "a module your tools import)")
     return load_tools(entries) if entries else {}
 
 

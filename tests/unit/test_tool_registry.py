@@ -270,3 +270,29 @@ def test_base_tool_without_default_schema():
 
     with pytest.raises(ValueError, match="NoSchema has no default schema; give `tool_schema`"):
         NoSchema()
+
+
+def test_an_unknown_tool_call_format_fails_when_the_tools_load(tmp_path):
+    """It failed at the first model turn, after a batch's generation; a parser a tool module registers counts."""
+    from infra.rl_config import MultiTurnConfig
+    from stages.agent.rollout import load_rollout_tools
+    from stages.tools.parsers import TOOL_PARSERS
+
+    tools = write(tmp_path / "my_tools.py", """
+        from stages.tools.parsers import TOOL_PARSERS, register_parser
+
+        def shout(text: str) -> str:
+            '''Shout.'''
+            return text.upper()
+
+        if "mine" not in TOOL_PARSERS:
+            register_parser("mine")(lambda text: [])
+        """)
+    functions = [f"{tools}:shout"]
+    with pytest.raises(ValueError, match=r"rl\.multi_turn\.format='hermse' names no tool-call parser; valid: .*hermes"):
+        load_rollout_tools(MultiTurnConfig(tool_functions=functions, format="hermse"))
+    try:
+        assert list(load_rollout_tools(MultiTurnConfig(tool_functions=functions, format="mine"))) == ["shout"]
+    finally:
+        TOOL_PARSERS.pop("mine", None)
+    assert load_rollout_tools(MultiTurnConfig(format="hermse")) == {}  # no tools: the format is not used
