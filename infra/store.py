@@ -64,6 +64,7 @@ from pathlib import Path
 
 import fsspec
 from botocore.exceptions import NoCredentialsError
+from fsspec.asyn import sync
 
 from infra.artifacts import MANIFEST, ArtifactRef, Manifest, hash_dir
 from infra.config import ConfigError
@@ -288,6 +289,34 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
             Path(dest).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dest)
 
+    def _remove(self, paths: list[str], action: str, recursive: bool = False) -> None:
+        """Remove files (or folders, `recursive`) by full path, missing ones aside. On S3 through DeleteObjects with
+        its answer read: the server answers each key on its own, and s3fs drops a key's error, so a refused removal
+        passed as done (an abandoned attempt's rows stayed visible, gc reported removals that never happened)."""
+        with self._errors(action):
+            if not self.is_remote:
+                for path in paths:
+                    try:
+                        self.fs.rm(path, recursive=recursive)
+                    except FileNotFoundError:
+                        pass
+                return
+            keys = [key for path in paths for key in (self.fs.find(path) if recursive else [path])]
+            refused = []
+            for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+                bucket = self.fs.split_path(keys[i])[0]
+                objects = [{"Key": self.fs.split_path(key)[1]} for key in keys[i:i + 1000]]
+                answer = sync(self.fs.loop, self.fs._call_s3, "delete_objects", Bucket=bucket,
+                              Delete={"Objects": objects, "Quiet": True})
+                refused += answer.get("Errors", [])
+            self.fs.invalidate_cache()
+        if refused:
+            first = refused[0]
+            raise StoreError(f"{action} at {self._where()}: the storage refused to remove {len(refused)} of {len(keys)} "
+                             f"files ({first.get('Key')}: {first.get('Code')} {first.get('Message')}). Fix: check that "
+                             "these credentials may delete objects there (and that no object lock holds them), then "
+                             "rerun")
+
     def _discard(self, path: str) -> None:
         """Best-effort removal of a failed write; gc() removes what is left."""
         try:
@@ -391,8 +420,8 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
             if not self.fs.exists(vdir):
                 raise self.not_found(str(ref), "versions", f"{ref.kind}/{ref.name}")
             if self.fs.exists(f"{vdir}/{MANIFEST}"):
-                self.fs.rm_file(f"{vdir}/{MANIFEST}")
-            self.fs.rm(vdir, recursive=True)
+                self._remove([f"{vdir}/{MANIFEST}"], f"deleting {ref}")
+        self._remove([vdir], f"deleting {ref}", recursive=True)
 
 
 if __name__ == "__main__":  # the CLI lives in infra/store_cli.py; `python -m infra.store` stays its command

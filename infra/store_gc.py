@@ -131,7 +131,7 @@ class GarbageCollection:
             leftovers = [path for path in found if self._dir_touched(path) < cutoff]
             for path in leftovers:
                 logger.info("gc: removing %s (a crashed artifact write, untouched for over %.0f s)", path, min_age_s)
-                self.fs.rm(path, recursive=True)
+                self._remove([path], "garbage collection", recursive=True)
             corrupt = self._corrupt_manifests(sorted(committed))
             for ref in corrupt if remove_corrupt else []:
                 logger.warning("gc: removing %s (its manifest is corrupt)", ref)

@@ -53,7 +53,7 @@ _UMASK = _process_umask()
 
 
 class TableFiles:
-    """write_bytes, create_exclusive, delete_table_file, read_bytes, glob, url, storage_options of ArtifactStore."""
+    """write_bytes, create_exclusive, delete_table_file(s), read_bytes, glob, url, storage_options of ArtifactStore."""
 
     def _table_path(self, relpath: str) -> str:
         parts = relpath.split("/")
@@ -104,13 +104,13 @@ class TableFiles:
             Path(tmp).unlink(missing_ok=True)
 
     def delete_table_file(self, relpath: str) -> None:
-        """Remove one table file (missing is fine)."""
-        path = self._table_path(relpath)
-        with self._errors(f"removing {relpath}"):
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
+        self.delete_table_files([relpath])
+
+    def delete_table_files(self, relpaths: list[str]) -> None:
+        """Remove table files (missing ones are fine); a StoreError when the storage keeps any."""
+        if relpaths:
+            self._remove([self._table_path(rel) for rel in relpaths], f"removing {relpaths[0]}"
+                         + (f" and {len(relpaths) - 1} more table files" if len(relpaths) > 1 else ""))
 
     def read_bytes(self, relpath: str) -> bytes:
         """The content of one table file; FileNotFoundError if missing."""

@@ -125,7 +125,7 @@ class RunTables:
         if rows:  # typed: a step whose tool_name or arguments are all None must not make them DOUBLE
             self._write(folder, rows, TURN_COLUMNS)
         elif self.store.glob(f"{folder}/{PART}"):
-            self.store.fs.rm_file(self.store.url(f"{folder}/{PART}"))
+            self.store.delete_table_file(f"{folder}/{PART}")
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Long format: one row (name, value, time) per metric."""
@@ -173,7 +173,7 @@ class RunTables:
         relpaths = [f"{partition_dir(table, self.run_id, step=s)}/{PART}"
                     for table in STEP_TABLES for s in self.steps(table) if s > step]
         if relpaths:
-            self.store.fs.rm([self.store.url(rel) for rel in relpaths])
+            self.store.delete_table_files(relpaths)
             logger.info("run %s: removed %d table partitions after step %d", self.run_id, len(relpaths), step)
         return len(relpaths)
 
@@ -184,7 +184,7 @@ class RunTables:
             # A parquet file needs columns; "no rows" for this step = no file, replacing any earlier one.
             existed = bool(self.store.glob(relpath))
             if existed:
-                self.store.fs.rm_file(self.store.url(relpath))
+                self.store.delete_table_file(relpath)
             logger.warning("%s: no rows to write%s", relpath, "; removed the earlier file" if existed else "")
             return
         self.store.write_bytes(relpath, to_parquet_bytes(rows_to_table(rows, datetime.now(timezone.utc), types)))

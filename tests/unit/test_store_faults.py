@@ -104,3 +104,42 @@ def test_versions_on_a_stalled_endpoint_is_a_store_error(s3_server, tmp_path, mo
         assert [m.ref for m in store.versions("model", "m")] == [ref]  # works again once the endpoint answers
     finally:
         proxy.close()
+
+
+def refuse_every_deleted_key(store: ArtifactStore, monkeypatch) -> None:
+    """The S3 server answers DeleteObjects 200 with an error per key and deletes nothing (AWS does so per key: e.g.
+    AccessDenied, InternalError); s3fs does not look at those errors."""
+    call = store.fs._call_s3
+
+    async def call_s3(method, *args, **kwargs):
+        if method == "delete_objects":
+            return {"Errors": [{"Key": o["Key"], "Code": "AccessDenied", "Message": "no"}
+                               for o in kwargs["Delete"]["Objects"]]}
+        return await call(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "_call_s3", call_s3)
+
+
+def test_a_removal_the_server_refuses_per_key_is_a_store_error_not_a_silent_success(s3_server, tmp_path,
+                                                                                    monkeypatch):
+    """A resume's truncate_after reported its partitions removed while every one stayed (the abandoned attempt's
+    rows stayed visible); delete and gc likewise."""
+    from infra.trajectories import RunTables
+
+    root = f"s3://{s3_server.create_bucket()}/p"
+    store = ArtifactStore(root, s3_server.endpoint_url, tmp_path / "cache")
+    tables = RunTables(store, "rl-x")
+    for step in range(1, 5):
+        tables.write_metrics(step, {"m": float(step)})
+    ref = store.put_dir("model", "m", make_dir(tmp_path / "src"))
+    refuse_every_deleted_key(store, monkeypatch)
+
+    with pytest.raises(StoreError, match=rf"removing metrics/run_id=rl-x/step=00000003/part-0.parquet and 1 more "
+                                         rf"table files at storage.root='{root}'.*: the storage refused to remove 2 "
+                                         r"of 2 files \(\S+/step=00000003/part-0.parquet: AccessDenied no\)\. Fix: "):
+        tables.truncate_after(2)
+    with pytest.raises(StoreError, match=r"deleting model/m@\w+ at .*the storage refused to remove 1 of 1 files"):
+        store.delete(ref)
+
+    monkeypatch.undo()
+    assert tables.truncate_after(2) == 2 and tables.steps("metrics") == [1, 2]
