@@ -312,8 +312,9 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
             self.fs.invalidate_cache()
         if refused:
             first = refused[0]
-            raise StoreError(f"{action} at {self._where()}: the storage refused to remove {len(refused)} of {len(keys)} "
-                             f"files ({first.get('Key')}: {first.get('Code')} {first.get('Message')}). Fix: check that "
+            raise StoreError(f"{action} at {self._where()}: the storage refused to remove {len(refused)} of "
+                             f"{len(keys)} files ({first.get('Key')}: {first.get('Code')} {first.get('Message')}). "
+                             "Fix: check that "
                              "these credentials may delete objects there (and that no object lock holds them), then "
                              "rerun")
 
