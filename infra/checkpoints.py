@@ -69,6 +69,17 @@ class StoreCheckpoints:
                            ", ".join(corrupt))
         return None
 
+    def clear(self) -> int:
+        """Remove every checkpoint of this stage run (a fresh start's: an earlier attempt's, which the first save
+        would replace); -> how many."""
+        lease.check(self.name)
+        versions = self.store.versions("checkpoint", self.name)
+        for m in versions:
+            logger.info("removing checkpoint %s (step %s): this run starts again from step 0", m.ref,
+                        m.metadata.get("step"))
+            self.store.delete(m.ref)
+        return len(versions)
+
     def save(self, step: int, local_dir: Path) -> None:
         lease.check(self.name)  # another flow run took this stage run over: its checkpoints are not ours to prune
         ref = self.store.put_dir("checkpoint", self.name, local_dir, inputs=self.inputs,

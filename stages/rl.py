@@ -68,6 +68,8 @@ class RLCheckpoints(Checkpoints, Protocol):
 
     def at_step(self, step: int) -> ArtifactRef | None: ...
 
+    def clear(self) -> int: ...
+
 
 @dataclass
 class RLResult:
@@ -353,7 +355,10 @@ class RLTrainer:
 
     def resume(self) -> None:
         path = self.checkpoints.latest() if self.rl.resume_mode == "auto" else None
-        if path is None:
+        if path is None:  # from step 0: an earlier attempt's checkpoints (--refresh-cache, resume_mode=disable, all
+            # corrupt) go first, then its rows; tables first left its final checkpoint without them when this run
+            # failed before its first save, and a rerun took that checkpoint for the finished stage
+            self.checkpoints.clear()
             self.tables.truncate_after(0)
             return
         self.actor.call("load_checkpoint", str(path))

@@ -84,7 +84,8 @@ def refresh_cache() -> bool:
 class RefreshedCheckpoints(StoreCheckpoints):
     """A stage's checkpoints under --refresh-cache: the stage trains again from step 0, so it resumes only from a
     checkpoint this flow run saved (a retry of the task), never from an earlier run's (which may come from older
-    code: what a refresh is for). `save` replaces the earlier run's checkpoints as usual; `latest` says so."""
+    code: what a refresh is for). RL removes the earlier run's checkpoints, then its trajectory tables, when it
+    starts from step 0 (`RLTrainer.resume`); SFT's first `save` replaces them as usual; `latest` says so."""
 
     def latest(self) -> Path | None:
         newest = self.latest_ref()
@@ -211,7 +212,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
     folder); `merge` turns it into a model. A final checkpoint of this configuration is returned as it is (a
     concurrent flow trained it, or Prefect lost the cached result), except with --refresh-cache: then RL trains
     again from step 0, like SFT (`RefreshedCheckpoints`: the earlier run's checkpoints and trajectory tables
-    are replaced as this run writes its own, which a warning says).
+    are removed as this run starts, which a warning says).
     """
     from infra.trajectories import RunTables
     from stages.rl import run_rl

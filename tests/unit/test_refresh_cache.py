@@ -67,3 +67,30 @@ def test_a_retry_under_refresh_cache_resumes_from_its_own_run(rl, tmp_path):
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}), pytest.raises(Trained):
         run()
     assert resumed_from[0] is not None and (resumed_from[0] / "trainer.pt").read_text() == "now 2"
+
+
+def test_a_refreshed_rl_run_removes_the_earlier_runs_checkpoints_before_its_tables(rl, tmp_path):
+    """It removed the tables at the start and the checkpoints at its first save: a refresh that failed in between
+    left the earlier run's final checkpoint, which the next run returned as the finished stage, without its rows."""
+    from types import SimpleNamespace
+
+    from infra.trajectories import RunTables
+    from stages.rl import RLTrainer
+    from tasks.stages import RefreshedCheckpoints
+
+    _, _, _, (store, name) = rl
+    tables = RunTables(store, name)
+    for step in range(1, 5):
+        tables.write_metrics(step, {"m": float(step)})
+    order = []
+    checkpoints = RefreshedCheckpoints(store, name, 3, metadata={"flow_run": "now"})
+    trainer = RLTrainer.__new__(RLTrainer)  # resume() alone
+    trainer.rl, trainer.tables = SimpleNamespace(resume_mode="auto"), SimpleNamespace(
+        truncate_after=lambda step: order.append(("tables", store.versions("checkpoint", name))) or
+        tables.truncate_after(step))
+    trainer.checkpoints = checkpoints
+
+    trainer.resume()
+
+    assert order == [("tables", [])]  # the checkpoints went first
+    assert store.versions("checkpoint", name) == [] and tables.steps("metrics") == []
