@@ -5,9 +5,11 @@ train the same run, in the same checkpoints and trajectory partitions. The first
 `leases/<name>.json` (created only if absent: `ArtifactStore.create_exclusive`) and renews it every
 `HEARTBEAT_S` seconds from a thread; the second waits, saying so once, and takes it when the first is done
 (then its stage resumes from the first's final checkpoint: no work is repeated) or when the holder's
-heartbeat is older than `TTL_S` or its process is gone on this host (a killed flow: its lease is stale). The age of
-a record from another host is never read from its time, which that host's clock wrote (a clock minutes behind made
-a live lease look stale): it is how long this waiter has seen the same record unchanged, on its own clock.
+heartbeat is older than `TTL_S` (on S3 with long storage timeouts more, as the record says: a renewal that
+stalls up to the timeouts' bound still lands before anyone takes over) or its process is gone on this host (a
+killed flow: its lease is stale). The age of a record from another host is never read from its time, which that
+host's clock wrote (a clock minutes behind made a live lease look stale): it is how long this waiter has seen the
+same record unchanged, on its own clock.
 
 Taking over a stale lease deletes it and creates a new one. Two waiters that read the same stale record must not
 both do that (the second would delete the first's fresh lease): a taker first creates the marker
@@ -33,6 +35,7 @@ from contextlib import contextmanager
 
 import psutil
 
+from infra.s3 import stall_bound_s
 from infra.store import ArtifactStore, StoreError
 
 logger = logging.getLogger(__name__)
@@ -84,10 +87,25 @@ def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
         _LOST.discard(name)
 
 
-def _record(owner: str) -> bytes:
+def _record(owner: str, store: ArtifactStore | None = None) -> bytes:
     me = psutil.Process()
     return json.dumps({"owner": owner, "host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-                       "renewed": time.time()}).encode()
+                       "renewed": time.time(), "ttl_s": holder_ttl_s(store)}).encode()
+
+
+def holder_ttl_s(store: ArtifactStore | None) -> float:
+    """How long this holder's lease lives without a renewal (its record says so to waiters): TTL_S, or on S3 more
+    than the longest a renewal may take to land (a heartbeat, then a read and a write that may each stall up to
+    the storage limits' bound), so that a late renewal never lands on the lease a waiter took over meanwhile."""
+    if store is None or not store.is_remote:
+        return TTL_S
+    return max(TTL_S, HEARTBEAT_S + 2 * stall_bound_s(store.limits) + POLL_S)
+
+
+def record_ttl_s(record: dict) -> float:
+    """The lease's life without a renewal as its holder wrote it, never below TTL_S."""
+    ttl = record.get("ttl_s")
+    return max(TTL_S, float(ttl)) if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) else TTL_S
 
 
 def _marker_record() -> bytes:
@@ -126,7 +144,7 @@ def age_s(record: dict, first_seen: float) -> float:
 
 def is_stale(record: dict, first_seen: float) -> bool:
     """Whether the lease `record` (first seen unchanged at `first_seen`, time.monotonic()) has lost its holder."""
-    if age_s(record, first_seen) > TTL_S:
+    if age_s(record, first_seen) > record_ttl_s(record):
         return True
     if record.get("host") != socket.gethostname() or "pid" not in record:
         return False
@@ -138,7 +156,7 @@ def is_stale(record: dict, first_seen: float) -> bool:
 
 def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
     said, seen = False, {}  # seen: raw record -> when this process first read it (time.monotonic())
-    while not store.create_exclusive(path, _record(owner)):
+    while not store.create_exclusive(path, _record(owner, store)):
         raw = _read_raw(store, path)
         if raw is None:
             continue  # released between our two calls
@@ -153,7 +171,7 @@ def _acquire(store: ArtifactStore, path: str, owner: str) -> None:
             logger.warning("%s is held by flow run %s (pid %s on %s): the same stage run is being trained there; "
                            "waiting for it to finish, then this one goes on from its result (a lease that is not "
                            "renewed goes stale in %.0f s)", path, record.get("owner"), record.get("pid"),
-                           record.get("host"), TTL_S)
+                           record.get("host"), record_ttl_s(record))
             said = True
         time.sleep(POLL_S)
     if said:
@@ -197,6 +215,6 @@ def _renew(store: ArtifactStore, path: str, name: str, owner: str, stop: threadi
                 logger.error("%s: the lease is now held by %s (this run's heartbeat stalled for over %.0f s); "
                              "this run stops writing %s", path, holder or "nobody", TTL_S, name)
                 return
-            store.write_bytes(path, _record(owner))
+            store.write_bytes(path, _record(owner, store))
         except (OSError, StoreError) as exc:  # the stage meets the store's error itself; keep renewing meanwhile
             logger.warning("%s: could not renew the lease (%s)", path, exc)

@@ -232,3 +232,21 @@ def test_a_marker_with_a_recent_time_is_respected(tmp_path):
     assert not lease._take_over(store, path, stale, {})  # its taker died: the marker goes, the next round takes over
     assert store.glob("leases/*") == [path]
     assert lease._take_over(store, path, stale, {}) and store.glob("leases/*") == []
+
+
+def test_a_holder_on_slow_s3_limits_advertises_a_longer_life_that_waiters_honour(tmp_path):
+    """With storage.timeout_s=40 one renewal may stall ~3 minutes before it lands: past TTL_S, a waiter took the
+    lease over and the late renewal overwrote the new holder's lease (which then stopped, the old one went on)."""
+    from infra.config_sections import StorageConfig
+
+    slow = ArtifactStore("s3://bucket/p", "http://127.0.0.1:9", tmp_path / "c",
+                         limits=StorageConfig(timeout_s=40, max_attempts=3))
+    record = json.loads(lease._record("slow-holder", slow))
+    assert record["ttl_s"] == lease.HEARTBEAT_S + 2 * (3 * 40 + 1 + 2) + lease.POLL_S > lease.TTL_S
+    record["renewed"] -= lease.TTL_S + 1  # older than TTL_S, younger than its own life
+    assert not lease.is_stale(record, time.monotonic())
+    record["renewed"] -= record["ttl_s"]
+    assert lease.is_stale(record, time.monotonic())
+    local = json.loads(lease._record("here", ArtifactStore(str(tmp_path / "store"))))
+    assert local["ttl_s"] == lease.TTL_S
+    assert lease.record_ttl_s({**local, "ttl_s": 1.0}) == lease.TTL_S  # a record never shortens the life
