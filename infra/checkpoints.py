@@ -85,6 +85,7 @@ class StoreCheckpoints:
         ref = self.store.put_dir("checkpoint", self.name, local_dir, inputs=self.inputs,
                                  metadata={**self.metadata, "step": step})
         logger.info("saved checkpoint %s (step %d)", ref, step)
+        lease.check(self.name)  # again: the lease may have been lost during a long upload
         versions = self.store.versions("checkpoint", self.name)
         earlier = [r for s, r in self._by_step(versions).items() if s < step]
         keep = {ref, *earlier[max(0, len(earlier) - self.max_to_keep + 1):]}
