@@ -250,3 +250,29 @@ def test_a_holder_on_slow_s3_limits_advertises_a_longer_life_that_waiters_honour
     local = json.loads(lease._record("here", ArtifactStore(str(tmp_path / "store"))))
     assert local["ttl_s"] == lease.TTL_S
     assert lease.record_ttl_s({**local, "ttl_s": 1.0}) == lease.TTL_S  # a record never shortens the life
+
+
+def test_a_lease_lost_during_a_checkpoint_upload_prunes_nothing(tmp_path, monkeypatch):
+    from infra.checkpoints import StoreCheckpoints
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    checkpoints = StoreCheckpoints(store, "rl-up", max_to_keep=1)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "trainer.pt").write_text("1")
+    checkpoints.save(1, folder)
+    put_dir = store.put_dir
+
+    def upload_then_lose(*args, **kwargs):
+        ref = put_dir(*args, **kwargs)
+        lease._LOST.add("rl-up")  # taken over while the upload ran
+        return ref
+
+    monkeypatch.setattr(store, "put_dir", upload_then_lose)
+    (folder / "trainer.pt").write_text("2")
+    try:
+        with pytest.raises(lease.LeaseLost):
+            checkpoints.save(2, folder)
+    finally:
+        lease._LOST.discard("rl-up")
+    assert sorted(m.metadata["step"] for m in store.versions("checkpoint", "rl-up")) == [1, 2]  # step 1 kept
