@@ -152,4 +152,28 @@ def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
                          "follow; multi-turn rollouts need a template that only appends")
     eos = tokenizer.eos_token or ""
     separator = before[before.rindex(eos) + len(eos):] if eos and eos in before else ""
-    return tokenizer(separator + after[len(before):], add_special_tokens=False)["input_ids"]
+    delta = separator + after[len(before):]
+    contents = [str(m.get("content") or "") for m in messages]
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    if not any(t in c for c in contents for t in specials):
+        return tokenizer(delta, add_special_tokens=False)["input_ids"]
+    # A content holds a control token's text (a tool's output or a user's text with `<|im_end|>\n<|im_start|>
+    # assistant`): tokenized with the template, it would become real control tokens and forge turns in the context
+    # the model trains on. The contents are tokenized as plain text (`split_special_tokens`), the template's own
+    # text around them as before; placeholders find them. A template that changes a content (trims it, say) cannot
+    # be split this way: then it stays as the template renders it.
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    marked = tokenizer.apply_chat_template(base + [{**m, "content": k} for m, k in zip(messages, marks)],
+                                           add_generation_prompt=True, tokenize=False)[len(before):]
+    filled = marked
+    for mark, content in zip(marks, contents):
+        filled = filled.replace(mark, content, 1) if marked.count(mark) == 1 else ""
+    if separator + filled != delta:
+        return tokenizer(delta, add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    rest = separator + marked
+    for mark, content in zip(marks, contents):
+        head, _, rest = rest.partition(mark)
+        ids += tokenizer(head, add_special_tokens=False)["input_ids"]
+        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + tokenizer(rest, add_special_tokens=False)["input_ids"]
