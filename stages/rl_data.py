@@ -152,13 +152,20 @@ def trajectory_rows(batch: Batch, prompt_texts: list[str], policy_version: int) 
             "rollout_logprob_mean": columns["rollout_logprobs"][i], "entropy_mean": columns["entropy"][i],
             "kl_mean": columns["kl"][i], "finish_reason": batch.meta["finish_reason"][i],
             "num_turns": batch.meta["num_turns"][i],
-            "num_tool_calls": int(batch.meta["rollout_metrics"][i].get("tool/calls", 0)),
-            "num_tool_errors": int(batch.meta["rollout_metrics"][i].get("tool/errors", 0)),
+            **tool_counts(batch.meta["rollout_metrics"][i]),
             **_versions(batch.meta, i, policy_version), "time": now,
         }
         row.update({k: batch.meta[k][i] for k in batch.meta if k.startswith("reward_")})
         rows.append(row)
     return rows
+
+
+def tool_counts(counts: dict[str, float]) -> dict[str, int]:
+    """A sample's tool calls and failed ones as its `turns` rows show them (the rows with a tool name, and those of
+    them marked error): a call refused past max_parallel_calls is both; a malformed call, with no name, neither."""
+    refused = int(counts.get("tool/refused", 0))
+    return {"num_tool_calls": int(counts.get("tool/calls", 0)) + refused,
+            "num_tool_errors": int(counts.get("tool/errors", 0)) + refused}
 
 
 def _versions(meta: dict, i: int, trained: int) -> dict:

@@ -375,6 +375,7 @@ class ToolAgentLoop(AgentLoop):
                 num_run += 1
                 answers.append(self._record_answer(ctx, state, next(results), start))
             else:
+                state.count("tool/refused")
                 answers.append(self._record_refusal(
                     state, f"error: at most {opts.max_parallel_calls} tool calls per turn; {item.name!r} was not run",
                     item))

@@ -15,6 +15,7 @@ from infra.rl_config import MultiTurnConfig
 from stages.agent import LoopContext, Sample, ToolAgentLoop
 from stages.agent.tool_loop import BatchedEngine, truncate_text
 from stages.model.loading import load_tokenizer, tool_turn_ids
+from stages.rl_data import tool_counts
 from stages.rollout.base import RolloutOutput, SamplingParams
 from stages.tools.base import BaseTool, ToolResponse, ToolSchema
 from stages.tools.calculator import CalculatorTool
@@ -322,7 +323,12 @@ def test_answers_come_back_in_call_order(tokenizer):
     assert answers[3] == "error: at most 2 tool calls per turn; 'calculator' was not run"
     refused = [r for r in t.turns if r["role"] == "tool"][3]  # the name and arguments of the call not run
     assert refused["tool_name"] == "calculator" and refused["arguments"] == {"expression": "4*4"}
-    assert t.metrics["tool/calls"] == 2 and t.metrics["tool/parse_errors"] == 1
+    assert t.metrics["tool/calls"] == 2 and t.metrics["tool/parse_errors"] == 1 and t.metrics["tool/refused"] == 1
+    # the rollouts table counts the calls and errors its turns rows show: a refused call is both, a malformed one
+    # (no tool name) neither
+    named = [r for r in t.turns if r["role"] == "tool" and r["tool_name"] is not None]
+    assert tool_counts(t.metrics) == {"num_tool_calls": len(named), "num_tool_errors": 1} == {
+        "num_tool_calls": 3, "num_tool_errors": sum(r["error"] for r in named)}
     # the tokens the model reads next hold the same four answers in the same order
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     first_turn = ids(turn) + [tokenizer.eos_token_id]
