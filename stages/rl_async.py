@@ -111,6 +111,7 @@ class AsyncRollout:
         self._kept = version * batch_size  # groups kept so far: each of the `version` steps trained took batch_size
         self._max_generated = max_gen_batches * batch_size
         self._generated = 0  # groups generated since the kept groups last filled a step
+        self._generated_total = 0  # groups generated in all (kept or not): what a timed-out wait saw come
         self._queue: deque[Group] = deque()
         self._cond = threading.Condition()
         self._in_chunk = self._pausing = self._pushing = self._closed = False
@@ -152,6 +153,7 @@ class AsyncRollout:
         means the reward hardly ever varies within a group."""
         filled = (self._kept + kept) // self.batch_size > self._kept // self.batch_size
         self._kept += kept
+        self._generated_total += generated
         self._generated = 0 if filled else self._generated + generated
         if self._max_generated and self._generated >= self._max_generated:
             raise RuntimeError(
@@ -210,8 +212,9 @@ class AsyncRollout:
         with self._cond:
             queued = len(self._queue)
             while len(taken) < num_groups:  # rollout_timeout_s bounds the wait for each group
+                generated = self._generated_total
                 ready = self._cond.wait_for(lambda: self._queue or self._error is not None, timeout=self.timeout_s)
-                self._raise_failure(ready)
+                self._raise_failure(ready, self._generated_total - generated)
                 group = self._queue.popleft()
                 self.next_group = group.index + 1
                 self._cond.notify_all()  # room in the queue
@@ -225,11 +228,18 @@ class AsyncRollout:
         return taken, {"async/dropped_groups": float(dropped), "async/queue_groups": float(queued),
                        "async/wait_s": time.perf_counter() - start}
 
-    def _raise_failure(self, ready: bool) -> None:
+    def _raise_failure(self, ready: bool, generated: int = 0) -> None:
+        """Raise the producer's error, or say why nothing came in time: `generated` groups came and dynamic sampling
+        kept none (a reward without spread, with no max_num_gen_batches limit), or a worker stalled."""
         if self._error is not None:
             raise RolloutFailed(f"the rollout workers failed while generating ({type(self._error).__name__}: "
                                 f"{self._error}); the run stops here, and a rerun resumes from the last "
                                 "checkpoint") from self._error
+        if not ready and generated:
+            raise RolloutFailed(
+                f"no group was kept in {self.timeout_s:g} s (rl.async_training.rollout_timeout_s): the rollout workers "
+                f"generated {generated} groups meanwhile, and dynamic sampling dropped them all (the same reward for "
+                "every sample of a group); check the reward, or set rl.algorithm.max_num_gen_batches to stop sooner")
         if not ready:
             raise RolloutFailed(
                 f"no scored group came from the rollout workers in {self.timeout_s:g} s "

@@ -427,6 +427,16 @@ def test_take_fails_naming_the_timeout_when_no_group_comes_in_time(closing):
         rollout.take(1, trained_version=0)
 
 
+def test_a_timeout_while_dynamic_sampling_drops_every_group_says_so(closing):
+    """max_num_gen_batches=0 (no limit) and a reward without spread: the wait timed out blaming a stalled worker."""
+    nothing = closing(AsyncRollout(settings(generation_groups=2, rollout_timeout_s=0.3), 2, no_engine,
+                                   Producer(keep=lambda i: False, delay_s=0.01), 0, 0))
+    nothing.start()
+    with pytest.raises(RolloutFailed, match=r"no group was kept in 0\.3 s .*: the rollout workers generated \d+ groups "
+                                            r"meanwhile, and dynamic sampling dropped them all"):
+        nothing.take(1, trained_version=0)
+
+
 def test_dynamic_sampling_gives_up_after_max_num_gen_batches_steps_worth_of_groups(closing):
     # a reward that never varies keeps no group: the producer stops as the synchronous loop does, and says why
     nothing = closing(AsyncRollout(settings(generation_groups=2), 2, no_engine, Producer(keep=lambda i: False), 0, 0,
