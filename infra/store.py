@@ -346,6 +346,7 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
             with heartbeat(self.fs, vdir, self.temp_min_age_s):  # gc sees the upload alive while a big file goes
                 for rel, src in sources.items():
                     self._write_file(src, f"{vdir}/{rel}")
+                self._check_sent(ref, vdir, manifest)
                 self.fs.pipe_file(f"{vdir}/{MANIFEST}", manifest.to_json())
         except (*CONNECTION_ERRORS, OSError) as exc:
             waited_s = time.monotonic() - start
@@ -356,6 +357,21 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
                 return
             raise self._network_error(f"upload of {ref}", exc, waited_s, "; no version was committed (files already "
                                       "sent stay invisible: a re-run overwrites them, gc() removes them)") from exc
+
+    def _check_sent(self, ref: ArtifactRef, vdir: str, manifest: Manifest) -> None:
+        """Before the manifest commits the version: every file it lists is there with its size. Uploads of the same
+        content share a prefix, and gc removes an abandoned one's files; one that ran while this upload started would
+        have left a committed version with files missing (a StoreError now, the version uncommitted: a rerun
+        uploads again)."""
+        self.fs.invalidate_cache(vdir)
+        sizes = self._file_sizes(vdir, manifest)
+        missing = [rel for rel, meta in manifest.files.items() if sizes.get(rel) != meta["size"]]
+        if missing:
+            more = ", ..." if len(missing) > 1 else ""
+            raise StoreError(f"upload of {ref} at {self._where()}: {len(missing)} of its {len(manifest.files)} files "
+                             f"were gone or changed before its commit ({missing[0]}{more}): another process removed "
+                             "them (gc of an abandoned upload of the same content, while this one started); no version "
+                             "was committed. Fix: rerun")
 
     def _committed_meanwhile(self, ref: ArtifactRef) -> bool:
         """After a failed upload: whether ref has a valid manifest now (False if the store could not be asked).

@@ -143,3 +143,25 @@ def test_a_removal_the_server_refuses_per_key_is_a_store_error_not_a_silent_succ
 
     monkeypatch.undo()
     assert tables.truncate_after(2) == 2 and tables.steps("metrics") == [1, 2]
+
+
+def test_files_removed_during_an_upload_leave_no_committed_version(s3_server, tmp_path, monkeypatch):
+    """gc removing an abandoned upload of the same content (one prefix) just as this one started: the manifest was
+    committed over the missing files, a corrupt version that every later read refused."""
+    store = ArtifactStore(f"s3://{s3_server.create_bucket()}/p", s3_server.endpoint_url, tmp_path / "cache")
+    upload, sent = store._write_file, []
+
+    def write_then_lose_the_first(src, dest):
+        upload(src, dest)
+        sent.append(dest)
+        if len(sent) == len(FILES):
+            store.fs.rm_file(sent[0])  # what gc's removal of the shared prefix took
+
+    monkeypatch.setattr(store, "_write_file", write_then_lose_the_first)
+    with pytest.raises(StoreError, match=r"1 of its 3 files were gone or changed before its commit \(a\.parquet\): "
+                                         r"another process removed them .*no version was committed\. Fix: rerun"):
+        store.put_dir("dataset", "d", make_dir(tmp_path / "src"))
+    assert store.versions("dataset", "d") == []
+    monkeypatch.undo()
+    ref = store.put_dir("dataset", "d", tmp_path / "src")  # the rerun
+    assert store.verify(ref).files.keys() == FILES.keys()
