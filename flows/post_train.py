@@ -16,7 +16,6 @@ the rest goes to log files in the run folder. `--verbose` (= `tracking.console=v
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
 import sys
@@ -32,6 +31,7 @@ prefect_env.configure()
 
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings  # noqa: E402
 
 from infra import verl_overrides  # noqa: E402
 from infra.artifacts import ArtifactRef  # noqa: E402
@@ -74,16 +74,20 @@ def save_config(cfg: Config, ctx: RunContext) -> None:
 
 
 @flow(name="post-train")
-def post_train(recipe: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Post-train a model end to end from a YAML recipe plus dotted overrides."""
+def post_train(recipe: str | None = None, overrides: list[str] | None = None, refresh_cache: bool = False) -> dict:
+    """Post-train a model end to end from a YAML recipe plus dotted overrides; `refresh_cache` runs every stage
+    again (the command line's --refresh-cache), SFT and RL from step 0."""
     cfg = load_config(recipe, overrides or [])
-    ctx = start_run(cfg)
-    record_process(Path(ctx.run_dir), str(flow_run.id))
-    try:
-        with run_scratch(Path(ctx.run_dir)):
-            return _post_train(cfg, ctx)
-    finally:
-        mark_ended(Path(ctx.run_dir))
+    # A setting, not an environment variable set now: Prefect read those when it was imported (the command line's
+    # PREFECT_TASKS_REFRESH_CACHE, set after that, left every stage cached).
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True} if refresh_cache else {}):
+        ctx = start_run(cfg)
+        record_process(Path(ctx.run_dir), str(flow_run.id))
+        try:
+            with run_scratch(Path(ctx.run_dir)):
+                return _post_train(cfg, ctx)
+        finally:
+            mark_ended(Path(ctx.run_dir))
 
 
 def _post_train(cfg: Config, ctx: RunContext) -> dict:
@@ -281,8 +285,6 @@ def main(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     recipe, overrides, verl = parse_args(argv)
-    if "--refresh-cache" in argv:
-        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     try:
         check_verl_keys_placed(argv, overrides)
         if verl:
@@ -299,7 +301,7 @@ def _main(argv: list[str]) -> int:
         hide_chatter()
     interrupt.start_prefect_server()  # out of Ctrl-C's reach (flows/interrupt.py)
     with interrupt.running_from_command_line(argv):
-        state = post_train(recipe, overrides, return_state=True)
+        state = post_train(recipe, overrides, refresh_cache="--refresh-cache" in argv, return_state=True)
     # A failed run's error and traceback are on the console already (RunConsole.failed): no second traceback.
     return 1 if state.is_failed() else 0
 

@@ -87,6 +87,11 @@ def test_flow_runs_then_hits_the_cache(post_train, tmp_path, capfd):
     assert "val/loss" in metrics[-1]
     assert store.glob(f"runs/{first['run_id']}/config.yaml")
 
+    # --refresh-cache (the flow's refresh_cache): every stage runs again. The command line set Prefect's variable
+    # after Prefect had read its settings, so every stage came back cached.
+    refreshed = post_train(None, _overrides(tmp_path, *RL), refresh_cache=True)
+    assert refreshed["stages"] == {k: "Completed" for k in STAGES}
+
 
 def _check_quiet_console(console: str, run_dir: Path) -> None:
     """A line as each stage starts and ends, the table; Ray workers' output and INFO logs in the run folder."""

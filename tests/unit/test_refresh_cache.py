@@ -94,3 +94,19 @@ def test_a_refreshed_rl_run_removes_the_earlier_runs_checkpoints_before_its_tabl
 
     assert order == [("tables", [])]  # the checkpoints went first
     assert store.versions("checkpoint", name) == [] and tables.steps("metrics") == []
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_command_lines_refresh_cache_reaches_the_flow(monkeypatch, tmp_path, flag):
+    """It set PREFECT_TASKS_REFRESH_CACHE in the environment after Prefect had read its settings: no effect."""
+    from types import SimpleNamespace
+
+    import flows.post_train as post_train_module
+
+    calls = []
+    monkeypatch.setattr(post_train_module, "post_train",
+                        lambda *args, **kwargs: calls.append(kwargs) or SimpleNamespace(is_failed=lambda: False))
+    monkeypatch.setattr(post_train_module.interrupt, "start_prefect_server", lambda: None)
+    argv = [f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}", "tracking.console=verbose"]
+    assert post_train_module.main(argv + ["--refresh-cache"] * flag) == 0
+    assert calls[0]["refresh_cache"] is flag
