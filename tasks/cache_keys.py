@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from infra import prefect_env
 
 prefect_env.configure()
@@ -145,8 +147,31 @@ def base_model_sections(cfg: Config) -> tuple:
     return cfg.model.path, cfg.model.tiny, str(cfg.run.seed), content_digest(cfg.model.path)
 
 
+# Settings that change when or how a training stage runs, not what it trains: hashed at their defaults, so that
+# changing one (raising the timeout a failure asked for, saving more often) resumes the same run's checkpoints
+# instead of starting a new run from step 0. Configs with the defaults keep the keys they had.
+SFT_OPERATIONAL = ("save_freq", "max_ckpt_to_keep")
+RL_OPERATIONAL = ("save_freq", "max_ckpt_to_keep", "no_signal_frac", "no_signal_steps", "reward.num_workers",
+                  "async_training.rollout_timeout_s")
+
+
+def at_defaults(section: BaseModel, fields: tuple[str, ...]) -> BaseModel:
+    """A copy of `section` with the dotted `fields` set to their defaults."""
+    updates: dict[str, object] = {}
+    nested: dict[str, list[str]] = {}
+    for path in fields:
+        head, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(head, []).append(rest)
+        else:
+            updates[head] = type(section).model_fields[head].get_default(call_default_factory=True)
+    for head, rests in nested.items():
+        updates[head] = at_defaults(getattr(section, head), tuple(rests))
+    return section.model_copy(update=updates)
+
+
 def sft_sections(cfg: Config) -> tuple:
-    return cfg.sft, cfg.model, cfg.data, str(cfg.run.seed)
+    return at_defaults(cfg.sft, SFT_OPERATIONAL), cfg.model, cfg.data, str(cfg.run.seed)
 
 
 def _tool_digests(cfg: Config) -> tuple:
@@ -158,8 +183,8 @@ def _tool_digests(cfg: Config) -> tuple:
 
 def rl_sections(cfg: Config) -> tuple:
     reward = cfg.rl.reward
-    return (cfg.rl, cfg.model, cfg.data, str(cfg.run.seed), content_digest(reward.custom_path),
-            content_digest(reward.reward_model_path), *_tool_digests(cfg))
+    return (at_defaults(cfg.rl, RL_OPERATIONAL), cfg.model, cfg.data, str(cfg.run.seed),
+            content_digest(reward.custom_path), content_digest(reward.reward_model_path), *_tool_digests(cfg))
 
 
 def merge_sections(cfg: Config) -> tuple:

@@ -12,7 +12,7 @@ from prefect.filesystems import LocalFileSystem
 from prefect.results import ResultStore
 from prefect.serializers import JSONSerializer
 
-from infra.config import load_config
+from infra.config import config_hash, load_config
 from infra.store import ArtifactStore
 from tasks import cache_keys, stages
 
@@ -162,3 +162,21 @@ def test_a_stage_whose_output_changed_does_not_reuse_results_cached_before(monke
     sft_key = cache_keys.stage_key("sft", cache_keys.sft_sections, ("dataset", "base_model"))(None, params)
     data_key = cache_keys.stage_key("data-prep", cache_keys.data_sections)(None, params)
     assert sft_key != before["sft"] and data_key == before["data"]
+
+
+def test_settings_that_change_only_how_a_stage_runs_keep_its_key_and_its_checkpoints():
+    """A RolloutFailed asks for a longer rl.async_training.rollout_timeout_s and says a rerun resumes: the new value
+    made a new key, so RL started again from step 0 under a new name. What is trained still changes the key."""
+    base = load_config(None, [])
+    rl, sft = cache_keys.rl_sections, cache_keys.sft_sections
+    for overrides in (["rl.async_training.rollout_timeout_s=1200"], ["rl.save_freq=5"], ["rl.max_ckpt_to_keep=4"],
+                      ["rl.reward.num_workers=8"], ["rl.no_signal_steps=0"], ["rl.no_signal_frac=0.5"]):
+        assert cache_keys.stage_hash(load_config(None, overrides), rl, []) == cache_keys.stage_hash(base, rl, [])
+    sft_key = cache_keys.stage_hash(base, sft, [])
+    assert cache_keys.stage_hash(load_config(None, ["sft.save_freq=7"]), sft, []) == sft_key
+    for overrides in (["rl.total_steps=3"], ["rl.reward.timeout_s=3"], ["rl.async_training.max_staleness=2"],
+                      ["rl.resume_mode=disable"]):
+        assert cache_keys.stage_hash(load_config(None, overrides), rl, []) != cache_keys.stage_hash(base, rl, [])
+    assert cache_keys.stage_hash(load_config(None, ["sft.epochs=1"]), sft, []) != sft_key
+    # a config at the defaults hashes as it did before the operational settings were set aside
+    assert config_hash(base.rl) == config_hash(cache_keys.at_defaults(base.rl, cache_keys.RL_OPERATIONAL))
