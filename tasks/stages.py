@@ -121,9 +121,25 @@ REPEATABLE = (ValueError, TypeError, LookupError, AttributeError, ImportError, N
 
 
 def transient(_task, _task_run, state) -> bool:
-    """Prefect's retry_condition_fn: retry unless the failure is one a retry would repeat (`REPEATABLE`)."""
-    error = state.result(raise_on_failure=False)
-    return not isinstance(error, REPEATABLE) and not isinstance(getattr(error, "cause", None), REPEATABLE)
+    """Prefect's retry_condition_fn: retry unless the failure is one a retry would repeat (`REPEATABLE`): the error
+    itself, the error a Ray task raised (`.cause`), the one it was raised from (`__cause__`: the async modes'
+    RolloutFailed wraps the producer's), or the one a Ray worker's __init__ raised (a model that cannot load)."""
+    error, seen = state.result(raise_on_failure=False), 0
+    while isinstance(error, BaseException) and seen < 8:
+        if isinstance(error, REPEATABLE) or _init_raised_repeatable(error):
+            return False
+        error, seen = getattr(error, "cause", None) or error.__cause__, seen + 1
+    return True
+
+
+def _init_raised_repeatable(error: BaseException) -> bool:
+    """Whether `error` is Ray's ActorDiedError for a worker whose __init__ raised one of REPEATABLE (Ray keeps only
+    its traceback's text, which ends with `TypeName: message`)."""
+    if not getattr(error, "actor_init_failed", False):
+        return False
+    lines = [line.strip() for line in str(getattr(error, "error_msg", "")).splitlines() if line.strip()]
+    names = {cls.__name__ for cls in REPEATABLE} | {sub.__name__ for cls in REPEATABLE for sub in cls.__subclasses__()}
+    return any(line.split(":", 1)[0].rsplit(".", 1)[-1] in names for line in lines[-3:])
 
 
 def local_model_path(store: ArtifactStore, model: str) -> str:
