@@ -94,6 +94,11 @@ def running_from_command_line(argv: list[str]) -> Iterator[None]:
         _command_line = None
 
 
+def from_command_line() -> bool:
+    """Whether main() runs the flow (else a deployment's worker or a Python caller does)."""
+    return _command_line is not None
+
+
 def resume_after_failure() -> str | None:
     """The command that resumes this process's run, when it runs from the command line (main); None in a
     deployment's run or a flow called from Python, which have no command to repeat."""

@@ -78,6 +78,8 @@ def post_train(recipe: str | None = None, overrides: list[str] | None = None, re
     """Post-train a model end to end from a YAML recipe plus dotted overrides; `refresh_cache` runs every stage
     again (the command line's --refresh-cache), SFT and RL from step 0."""
     cfg = load_config(recipe, overrides or [])
+    if not interrupt.from_command_line():
+        preflight(cfg)  # a deployment's run (the command line checked before Prefect started)
     # A setting, not an environment variable set now: Prefect read those when it was imported (the command line's
     # PREFECT_TASKS_REFRESH_CACHE, set after that, left every stage cached).
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True} if refresh_cache else {}):
@@ -241,6 +243,12 @@ def preflight(cfg: Config) -> None:
             load_reward_fn(reward.custom_path, reward.custom_function)
         except ValueError as exc:
             raise ConfigError(f"rl.reward.custom_path={reward.custom_path}: {exc}") from exc
+    from stages.evaluate import resolve_engine
+
+    try:
+        resolve_engine(cfg.evaluate.engine)  # evaluate.engine=vllm without vLLM failed after training
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_hub_model(field: str, path: str) -> None:

@@ -104,3 +104,19 @@ def test_placement_on_a_real_cluster_fails_in_seconds():
         assert time.monotonic() - start < 10
     finally:
         ray.shutdown()
+
+
+def test_a_deployments_run_checks_its_config_before_anything_runs(tmp_path):
+    """Only the command line ran preflight: a deployment's run with a missing model folder failed after data prep."""
+    from flows.post_train import post_train
+
+    with pytest.raises(ConfigError, match="model.path=./no-such-model: no such file or folder"):
+        post_train.fn(None, [f"storage.root={tmp_path / 'store'}", f"run.output_dir={tmp_path / 'out'}",
+                             "model.path=./no-such-model"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_evaluation_engine_that_is_not_installed_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr("stages.evaluate.find_spec", lambda name: None)  # vLLM absent
+    with pytest.raises(ConfigError, match="evaluate.engine=vllm but vLLM is not installed"):
+        preflight(load_config(None, [f"storage.root={tmp_path / 'store'}", "evaluate.engine=vllm"]))
