@@ -59,7 +59,9 @@ class Prefect:
     def __init__(self, home: Path):
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
-        self.env = {**os.environ, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api,
+        # a user's shell, without what infra/prefect_env.py set in this test's process
+        inherited = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_EXTRA_LOGGERS"}
+        self.env = {**inherited, "PYTHONPATH": str(PROJECT), "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api,
                     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "results"),
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry
                     "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}  # the nightly run is never due here
@@ -94,6 +96,20 @@ class Prefect:
                 pass
             time.sleep(1)
         raise AssertionError(f"prefect server not healthy after {timeout_s} s:\n" + self.log("server"))
+
+    def flow_run_loggers(self, run_id: str) -> set[str]:
+        """The names of the loggers whose records the flow run sent to the server."""
+        names: set[str] = set()
+        for offset in range(0, 100_000, 200):
+            body = json.dumps({"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200, "offset": offset})
+            request = urllib.request.Request(f"{self.api}/logs/filter", data=body.encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                page = json.load(response)
+            names |= {record["name"] for record in page}
+            if len(page) < 200:
+                return names
+        return names
 
     def wait_flow_run(self, run_id: str, worker: subprocess.Popen, timeout_s: float = 1200) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -162,3 +178,7 @@ def test_deploy_all_then_run_the_demo_through_a_process_worker(prefect, tmp_path
     console = prefect.log("worker")  # the flow run's console, through the worker: quiet, logs in the run folder
     assert re.search(r"^\S+ rl +ran ", console, re.M) and "pid=" not in console, console[-5000:]
     assert (run_dir / "run.log").stat().st_size and (run_dir / "workers" / "rl.log").stat().st_size
+    # our loggers' lines reach the run's logs in Prefect (prefect.yaml's env: the flow-run process imports Prefect
+    # before the flow's module could configure it)
+    loggers = prefect.flow_run_loggers(run_id)
+    assert any(name.startswith(("stages.", "infra.")) for name in loggers), loggers
