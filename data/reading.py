@@ -10,6 +10,7 @@ the validation split, all others the training split).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,12 +107,19 @@ def _parquet_errors(path: Path) -> Iterator[None]:
 
 
 def split_files(files: list[Path]) -> dict[str, list[Path]]:
-    """{'train': [...], 'validation': [...]} when some file names hold a validation word, else {'all': files}.
+    """{'train': [...], 'validation': [...]} when some files' names hold a validation word, else {'all': files}.
 
-    Names are split into words at non-alphanumerics: `test.jsonl`, `gsm8k_test_sample.jsonl` and
-    `test-00000-of-00001.parquet` are validation files; every other file is a training file.
+    A name is the file's path below the folder all the files share, without its suffix, split into words at
+    non-alphanumerics: `test.jsonl`, `gsm8k_test_sample.jsonl`, `test-00000-of-00001.parquet` and
+    `test/part-00000.jsonl` (beside `train/part-00000.jsonl`: its folder's name counted too) are validation files;
+    every other file is a training file.
     """
-    validation = [p for p in files if VALIDATION_WORDS & set(re.split(r"[^a-z0-9]+", p.stem.lower()))]
+    root = Path(os.path.commonpath([p.parent for p in files])) if files else Path()
+
+    def words(path: Path) -> set[str]:
+        return set(re.split(r"[^a-z0-9]+", path.relative_to(root).with_suffix("").as_posix().lower()))
+
+    validation = [p for p in files if VALIDATION_WORDS & words(p)]
     train = [p for p in files if p not in validation]
     if not (train and validation):
         return {"all": files}

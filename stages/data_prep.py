@@ -75,6 +75,20 @@ REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 # The stage
 
 
+def _warn_bare_sft_targets(train: list) -> None:
+    """SFT's target is the row's response (data.columns.response), else its answer (extra_info.answer in verl's
+    rows), else the bare ground truth: verl's MATH and DAPO files carry no answer, so SFT taught `1/2` where the
+    reward wants `\\boxed{\\frac{1}{2}}`, and RL started from a model its reward scores 0. Said when most targets are
+    bare."""
+    bare = sum(str(e.response).strip() == str(e.ground_truth).strip() for e in train)
+    if train and bare > len(train) / 2:
+        logger.warning(
+            "data prep: %d of %d SFT targets are the bare ground truth (the rows have no response column and no "
+            "extra_info.answer): SFT would teach answers without the worked steps or the format the reward checks "
+            "(\\boxed{}, ####). Set data.columns.response to a column of full solutions, or sft.enabled=false",
+            bare, len(train))
+
+
 def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     """Build the dataset of `cfg.source` and write the RL and SFT splits plus stats.json to `out_dir`."""
     splits = RECIPES[cfg.source](cfg, seed)
@@ -83,6 +97,7 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     for name, rows in (("train", train), ("validation", validation)):
         if not rows:
             raise ValueError(f"data.source={cfg.source}: the {name} split is empty; check the input or its bad rows")
+    _warn_bare_sft_targets(train)
     rl_train, rl_validation = with_interaction(train, cfg.interaction), with_interaction(validation, cfg.interaction)
     schema = rl_schema(rl_train + rl_validation)
     tables = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -536,3 +537,30 @@ def test_load_prompts_error_mode(tokenizer, prompts_parquet):
         f"row 1 of p.parquet: the prompt is {len(full)} tokens, over data.max_prompt_length={len(full) - 1}; raise "
         "data.max_prompt_length, set data.truncation=left|right, or data.filter_overlong_prompts=true"
     )
+
+
+def test_train_and_test_folders_split_by_their_names(tmp_path):
+    """data/train/part-00000.jsonl and data/test/part-00000.jsonl were pooled and re-split by validation_fraction:
+    most test rows trained on. The folder all files share does not count (its name may hold any word)."""
+    from data.reading import split_files
+
+    root = tmp_path / "test-runs" / "data"
+    files = [root / "test" / "part-00000.jsonl", root / "train" / "part-00000.jsonl", root / "train" / "part-1.jsonl"]
+    assert split_files(files) == {"train": files[1:], "validation": files[:1]}
+    flat = [root / "test.jsonl", root / "train.jsonl"]
+    assert split_files(flat) == {"train": flat[1:], "validation": flat[:1]}
+    assert split_files([root / "a.jsonl", root / "b.jsonl"]) == {"all": [root / "a.jsonl", root / "b.jsonl"]}
+
+
+def test_sft_targets_that_are_the_bare_ground_truth_are_warned_about(tmp_path, caplog):
+    """verl's MATH/DAPO rows carry no extra_info.answer: SFT trained on `1/2`, which the reward scores 0."""
+    bare = [{"data_source": "lighteval/MATH", "prompt": [{"role": "user", "content": f"Q{i}?"}],
+             "reward_model": {"style": "rule", "ground_truth": f"\\frac{{1}}{{{i + 2}}}"}} for i in range(10)]
+    pq.write_table(pa.Table.from_pylist(bare), tmp_path / "math.parquet")
+    with caplog.at_level(logging.WARNING, logger="stages.data_prep"):
+        run_data_prep(DataConfig(source="file", path=str(tmp_path / "math.parquet")), 0, tmp_path / "out")
+    assert "SFT targets are the bare ground truth" in caplog.text and "data.columns.response" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stages.data_prep"):
+        run_data_prep(DataConfig(source="synthetic"), 0, tmp_path / "out2")  # worked solutions
+    assert "bare ground truth" not in caplog.text
