@@ -8,7 +8,9 @@ torch.distributed group and binds the process's threads, which the Prefect task'
 (a second model evaluated in the same process would find the group taken). With
 N workers (`ray.num_devices_per_node * ray.num_nodes`) each generates a contiguous share of the prompts.
 
-Metrics, per data_source and over all of them (`all`): greedy `acc`, the share of responses scoring >= 1;
+Metrics, per data_source and over all of them (`all`): greedy `acc`, the mean of each response's `acc` where the
+reward returns one, else of its score (as verl's validation: for 0/1 scorers, the share right; a reward of -1/+1
+or with bonuses gives a mean score, not a share);
 with `evaluate.n > 1`, n samples per prompt at `evaluate.temperature` add mean@n, best@n (pass@n) and
 maj@n (stages/validation.py). Scores come from the RL stage's reward functions (`rl.reward`: the
 data_source scorers or the custom function) in the same process pool with per-sample timeouts.

@@ -20,6 +20,7 @@ the batches' layout are stages/sft_data.py's.
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from stages.model.fsdp import (
     shard,
 )
 from stages.model.loading import DTYPES, compute_dtype, load_model, load_tokenizer, save_hf_folder
-from stages.model.optim import build_optimizer, build_scheduler
+from stages.model.optim import build_optimizer, build_scheduler, clipped_step
 from stages.model.packing import host_inputs, packing_unsupported
 from stages.model.policy import TokenLogprobs, compile_layers, head_problem
 from stages.model.rng import rng_state, set_rng_state
@@ -107,11 +108,7 @@ def train_step(policy: TokenLogprobs, optimizer, examples: list[SFTExample], mic
         loss = summed_token_nll(policy, batch, device) / global_tokens
         loss.backward()
         losses.append(loss.detach())
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # sharded (sft.offload): a DTensor
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm, _ = clipped_step(policy, optimizer, grad_clip)  # no step on a non-finite norm: NaN weights stay out
     return torch.stack(losses).sum(), grad_norm
 
 
@@ -184,6 +181,9 @@ class SFTTrainer:
             loss, grad_norm = train_step(self.policy, self.optimizer, examples, sft.micro_batch_size,
                                          sft.optim.grad_clip, self.tokenizer.pad_token_id, self.device, global_tokens)
         self.scheduler.step()
+        if not math.isfinite(float(grad_norm)):
+            logger.warning("sft: gradient norm %s at lr %.3g: step skipped, the weights are unchanged",
+                           float(grad_norm), lr)
         return float(loss), float(grad_norm), lr
 
     @torch.no_grad()

@@ -115,3 +115,24 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+
+
+def clipped_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple:
+    """Clip the gradients to `max_norm`, step unless their norm is not finite, zero them. Returns the norm and
+    1.0 if the step was skipped (else 0.0), both device scalars: an optimizer that takes `found_inf` (fused
+    AdamW, torch's GradScaler protocol) skips on the device, so the host never waits for it here; any other
+    optimizer reads the norm first."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    found_inf = (~torch.isfinite(norm)).float()
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif math.isfinite(float(norm)):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, found_inf

@@ -18,7 +18,6 @@ row once (the token-weighted metric means are unchanged by the P equal copies).
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from infra.trainer_config import TrainerConfig
 from stages.batch import Batch
 from stages.core import loss_denominators
 from stages.model.fsdp import all_reduce, load_train_state, save_train_state
-from stages.model.optim import OffloadedAdamW, build_optimizer, build_scheduler
+from stages.model.optim import OffloadedAdamW, build_optimizer, build_scheduler, clipped_step
 from stages.model.rng import rng_state, set_rng_state
 from stages.model.safe_load import load_state
 
@@ -223,27 +222,6 @@ def global_denominators(response_mask: torch.Tensor, sequence_parallel_size: int
     """`loss_denominators` of this rank's part of a mini-batch, summed over the data-parallel ranks (the sum over
     all ranks counts the rows of a Ulysses group once per rank: divided by `sequence_parallel_size`)."""
     return {k: all_reduce(v) // sequence_parallel_size for k, v in loss_denominators(response_mask).items()}
-
-
-def clipped_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple:
-    """Clip the gradients to `max_norm`, step unless their norm is not finite, zero them. Returns the norm and
-    1.0 if the step was skipped (else 0.0), both device scalars: an optimizer that takes `found_inf` (fused
-    AdamW, torch's GradScaler protocol) skips on the device, so the host never waits for it here; any other
-    optimizer reads the norm first."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    found_inf = (~torch.isfinite(norm)).float()
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.found_inf, optimizer.grad_scale = found_inf, None
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf, optimizer.grad_scale
-    elif math.isfinite(float(norm)):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm, found_inf
 
 
 class MetricMeans:

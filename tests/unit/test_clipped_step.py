@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stages.workers.train_engine import clipped_step
+from stages.model.optim import clipped_step
 
 
 def _model_and_grads(fused: bool, bad: bool):

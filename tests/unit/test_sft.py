@@ -65,6 +65,17 @@ def test_micro_batching_does_not_change_the_step(tiny_config, tiny_model_dir, ex
         assert_close_sgd_steps(params[micro][1], params[8][1], before, f"micro-batches of {micro}")
 
 
+def test_a_step_whose_gradient_norm_is_not_finite_leaves_the_weights_alone(tiny_config, tiny_model_dir, examples):
+    """SFT stepped anyway (RL skipped such steps): one overflow made every weight NaN for the rest of the run."""
+    model = load_model(tiny_model_dir, tiny_config.model).train()
+    before = copy.deepcopy(model.state_dict())
+    model.get_output_embeddings().weight.register_hook(lambda grad: grad * float("nan"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, grad_norm = train_step(sft_policy(model, cuda=False), opt, examples[:4], 4, grad_clip=1.0, pad_id=0)
+    assert math.isnan(float(grad_norm))
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
 def test_validation_pads_a_rank_share_without_counting_the_padding(tiny_config, tiny_model_dir, examples):
     # sharded, every rank runs as many forwards: a shorter share is padded with examples whose tokens do not count
     trainer = SFTTrainer(tiny_config, str(tiny_model_dir))
