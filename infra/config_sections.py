@@ -48,6 +48,14 @@ class SyntheticTaskConfig(Section):
         "calculator, and this share of the SFT rows show the call (the rest answer directly).",
     )
 
+    @model_validator(mode="after")
+    def _one_sft_mix(self) -> SyntheticTaskConfig:
+        if self.tool_call_fraction > 0 and self.shortcut_fraction > 0:
+            raise ValueError(f"shortcut_fraction={self.shortcut_fraction} has no effect with tool_call_fraction="
+                             f"{self.tool_call_fraction} (the calculator task mixes its SFT rows its own way); set one "
+                             "of them to 0")
+        return self
+
 
 class ColumnMapping(Section):
     """Where a user's file keeps each field; names are column names of the file."""

@@ -564,3 +564,8 @@ def test_sft_targets_that_are_the_bare_ground_truth_are_warned_about(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="stages.data_prep"):
         run_data_prep(DataConfig(source="synthetic"), 0, tmp_path / "out2")  # worked solutions
     assert "bare ground truth" not in caplog.text
+
+
+def test_a_shortcut_fraction_the_calculator_task_would_ignore_is_refused():
+    with pytest.raises(ValueError, match=r"shortcut_fraction=0.5 has no effect with tool_call_fraction=0.3"):
+        SyntheticTaskConfig(tool_call_fraction=0.3, shortcut_fraction=0.5)
