@@ -18,7 +18,7 @@ import pytest
 from infra.artifacts import ArtifactRef
 from infra.config import ConfigError, load_config
 from infra.sql import query
-from infra.store import ArtifactStore, StoreError
+from infra.store import ArtifactStore
 from tests.conftest import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
@@ -157,9 +157,11 @@ def test_dataset_missing_ground_truth_fails_and_leaves_no_artifact(post_train, t
 
 
 def test_unreachable_s3_endpoint_is_one_clear_error(post_train, tmp_path, s3_server):
+    """The flow checks its store before anything runs (as the command line does), naming both settings."""
     overrides = _overrides(tmp_path) + ["storage.root=s3://bucket/prefix", "storage.endpoint_url=http://127.0.0.1:9"]
-    with pytest.raises(StoreError, match=r"storage.endpoint_url"):
+    with pytest.raises(ConfigError, match=r"storage.root=s3://bucket/prefix: .*storage.endpoint_url='http://127"):
         post_train(None, overrides)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_failing_stage_shows_its_error_in_full_on_the_console(tmp_path):
