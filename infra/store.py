@@ -314,9 +314,8 @@ class ArtifactStore(VerifiedReads, TableFiles, GarbageCollection):
             first = refused[0]
             raise StoreError(f"{action} at {self._where()}: the storage refused to remove {len(refused)} of "
                              f"{len(keys)} files ({first.get('Key')}: {first.get('Code')} {first.get('Message')}). "
-                             "Fix: check that "
-                             "these credentials may delete objects there (and that no object lock holds them), then "
-                             "rerun")
+                             "Fix: check that these credentials may delete objects there (and that no object lock "
+                             "holds them), then rerun")
 
     def _discard(self, path: str) -> None:
         """Best-effort removal of a failed write; gc() removes what is left."""

@@ -181,10 +181,10 @@ class SFTTrainer:
             loss, grad_norm = train_step(self.policy, self.optimizer, examples, sft.micro_batch_size,
                                          sft.optim.grad_clip, self.tokenizer.pad_token_id, self.device, global_tokens)
         self.scheduler.step()
-        if not math.isfinite(float(grad_norm)):
-            logger.warning("sft: gradient norm %s at lr %.3g: step skipped, the weights are unchanged",
-                           float(grad_norm), lr)
-        return float(loss), float(grad_norm), lr
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
+            logger.warning("sft: gradient norm %s at lr %.3g: step skipped, the weights are unchanged", grad_norm, lr)
+        return float(loss), grad_norm, lr
 
     @torch.no_grad()
     def validation_sum(self, examples: list[SFTExample], real: int) -> float:

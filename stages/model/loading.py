@@ -153,10 +153,11 @@ def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
     eos = tokenizer.eos_token or ""
     separator = before[before.rindex(eos) + len(eos):] if eos and eos in before else ""
     delta = separator + after[len(before):]
+    ids_of = lambda text, **kw: tokenizer(text, add_special_tokens=False, **kw)["input_ids"]  # noqa: E731
     contents = [str(m.get("content") or "") for m in messages]
     specials = [t for t in tokenizer.all_special_tokens if t]
     if not any(t in c for c in contents for t in specials):
-        return tokenizer(delta, add_special_tokens=False)["input_ids"]
+        return ids_of(delta)
     # A content holds a control token's text (a tool's output or a user's text with `<|im_end|>\n<|im_start|>
     # assistant`): tokenized with the template, it would become real control tokens and forge turns in the context
     # the model trains on. The contents are tokenized as plain text (`split_special_tokens`), the template's own
@@ -167,13 +168,12 @@ def _turn_delta_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
                                            add_generation_prompt=True, tokenize=False)[len(before):]
     filled = marked
     for mark, content in zip(marks, contents):
-        filled = filled.replace(mark, content, 1) if marked.count(mark) == 1 else ""
-    if separator + filled != delta:
-        return tokenizer(delta, add_special_tokens=False)["input_ids"]
+        filled = filled.replace(mark, content)
+    if any(marked.count(mark) != 1 for mark in marks) or separator + filled != delta:
+        return ids_of(delta)
     ids: list[int] = []
     rest = separator + marked
     for mark, content in zip(marks, contents):
         head, _, rest = rest.partition(mark)
-        ids += tokenizer(head, add_special_tokens=False)["input_ids"]
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids + tokenizer(rest, add_special_tokens=False)["input_ids"]
+        ids += ids_of(head) + ids_of(content, split_special_tokens=True)
+    return ids + ids_of(rest)
