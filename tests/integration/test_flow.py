@@ -1,7 +1,7 @@
 """The post-training flow end to end through Prefect (a temporary local Prefect server), on a tiny config:
 a first run executes every stage (data prep -> base -> SFT -> RL -> merge -> evaluate base/SFT/RL) and
-publishes the comparison (evals table, Prefect table + markdown artifacts), a second identical run is all
-cache hits, and bad inputs fail cleanly. Evaluation uses the hf engine here (vLLM's is covered by
+publishes the comparison (evals table, Prefect table + markdown artifacts), a second run of its saved config.yaml
+is all cache hits, and bad inputs fail cleanly. Evaluation uses the hf engine here (vLLM's is covered by
 test_evaluate.py and, through the flow, by test_resume.py). The quiet console: a line per stage, Ray workers'
 output in the run folder, a failing stage's error in full."""
 
@@ -51,8 +51,9 @@ def test_flow_runs_then_hits_the_cache(post_train, tmp_path, capfd):
     assert {r["engine"] for r in first["results"].values()} == {"hf"}
     _check_quiet_console("".join(capfd.readouterr()), Path(first["run_dir"]))
 
-    # The console switch is a flow parameter like any other (tracking is in no cache key).
-    second = post_train(None, _overrides(tmp_path, *RL, "tracking.console=verbose"))
+    # The run's saved config.yaml (with the settings the workers decided) reruns it: all cache hits. The console
+    # switch is a flow parameter like any other (tracking is in no cache key).
+    second = post_train(str(Path(first["run_dir"]) / "config.yaml"), ["tracking.console=verbose"])
     assert second["stages"] == {k: "Cached" for k in STAGES}
     assert second["results"] == first["results"]
     console = capfd.readouterr().out

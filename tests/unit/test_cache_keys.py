@@ -180,3 +180,29 @@ def test_settings_that_change_only_how_a_stage_runs_keep_its_key_and_its_checkpo
     assert cache_keys.stage_hash(load_config(None, ["sft.epochs=1"]), sft, []) != sft_key
     # a config at the defaults hashes as it did before the operational settings were set aside
     assert config_hash(base.rl) == config_hash(cache_keys.at_defaults(base.rl, cache_keys.RL_OPERATIONAL))
+
+
+def test_the_saved_config_with_the_decided_automatic_settings_keeps_the_keys(tmp_path):
+    """The RL stage writes the settings its workers decided (None in the recipe) into the run's config.yaml, which
+    the README says reruns the run: its keys were new, so that rerun trained SFT and RL again from step 0. The
+    device settings of a section (offload after running out of memory) keep its key too."""
+    from infra.config import to_yaml
+
+    base = load_config(None, [])
+    ctx = stages.RunContext(run_id="run-1", run_dir=str(tmp_path))
+    (tmp_path / "config.yaml").write_text(to_yaml(base))
+    decided = {"rl.actor.use_remove_padding": False, "rl.actor.use_torch_compile": False,
+               "rl.actor.logprob_chunk_tokens": 1024, "rl.actor.reshard_after_forward": False,
+               "rl.actor.grad_sync_every_micro_batch": False, "rl.actor.gradient_checkpointing": False,
+               "rl.critic.reshard_after_forward": False, "rl.rollout.prefix_cache_rows": 0}
+    stages.record_automatic_settings(ArtifactStore(str(tmp_path / "store")), ctx, decided)
+    saved = load_config(str(tmp_path / "config.yaml"), [])
+    assert saved.rl.actor.logprob_chunk_tokens == 1024 and saved.rl != base.rl
+    for sections in (cache_keys.rl_sections, cache_keys.sft_sections):
+        assert cache_keys.stage_hash(saved, sections, []) == cache_keys.stage_hash(base, sections, [])
+    for overrides in (["rl.actor.offload=true", "rl.actor.optimizer_offload=true"], ["rl.critic.offload=true"],
+                      ["rl.rollout.free_cache_engine=true", "rl.rollout.gpu_memory_utilization=0.8"]):
+        assert cache_keys.stage_hash(load_config(None, overrides), cache_keys.rl_sections, []) == \
+            cache_keys.stage_hash(base, cache_keys.rl_sections, [])
+    sft = cache_keys.stage_hash(base, cache_keys.sft_sections, [])
+    assert cache_keys.stage_hash(load_config(None, ["sft.offload=true"]), cache_keys.sft_sections, []) == sft
