@@ -148,7 +148,8 @@ def base_model_sections(cfg: Config) -> tuple:
 
 
 # Settings that change when or how a training stage runs, not what it trains: hashed at their defaults, so that
-# changing one (raising the timeout a failure asked for, saving more often, offloading after running out of memory)
+# changing one (raising a timeout, a tolerance or a limit that a failure asked for, saving more often, offloading after
+# running out of memory)
 # resumes the same run's checkpoints instead of starting a new run from step 0. Configs with the defaults keep the
 # keys they had. Among them the automatic (None) settings, which the workers decide per machine and the run's
 # config.yaml records as decided: rerunning that file, or a recipe that sets one to what the machine decides, finds
@@ -160,7 +161,8 @@ RL_OPERATIONAL = ("save_freq", "max_ckpt_to_keep", "no_signal_frac", "no_signal_
                   *(f"{role}.{name}" for role in ("actor", "critic") for name in _DEVICE),
                   "actor.gradient_checkpointing", "actor.use_remove_padding", "actor.use_torch_compile",
                   "actor.logprob_chunk_tokens", "rollout.prefix_cache_rows", "rollout.free_cache_engine",
-                  "rollout.gpu_memory_utilization", "rollout.logprob_check_freq")
+                  "rollout.gpu_memory_utilization", "rollout.logprob_check_freq", "rollout.logprob_check_tol",
+                  "rollout.logprob_check_tokens", "algorithm.max_num_gen_batches")
 
 
 def at_defaults(section: BaseModel, fields: tuple[str, ...]) -> BaseModel:
