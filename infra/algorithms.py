@@ -52,6 +52,9 @@ class _Estimator(_Variant):
     needs_reference: ClassVar[bool] = False  # reference logprobs, whatever the KL settings (online DPO)
     pairwise: ClassVar[bool] = False  # the actor trains on (chosen, rejected) pairs with the DPO loss (online DPO)
     min_group_size: ClassVar[int] = 1  # samples per prompt it needs (rl.rollout.n)
+    # each sample's advantage is measured against its own group (rewards all equal: advantages 0); a group of one
+    # keeps its raw score, as in verl (no baseline)
+    group_relative: ClassVar[bool] = False
 
 
 def _gamma():
@@ -74,6 +77,7 @@ class GAE(_Estimator):
 
 
 class GRPO(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["grpo"] = "grpo"
     norm_adv_by_std_in_grpo: bool = _grpo_std()
     epsilon: float = _epsilon()
@@ -82,10 +86,12 @@ class GRPO(_Estimator):
 class DrGRPO(_Estimator):
     """GRPO without the std division (Dr.GRPO); pair with loss_agg_mode=seq-mean-token-sum-norm."""
 
+    group_relative: ClassVar[bool] = True
     name: Literal["dr_grpo"] = "dr_grpo"
 
 
 class GRPOPassK(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["grpo_passk"] = "grpo_passk"
     min_group_size: ClassVar[int] = 2  # the best sample against the second best
     norm_adv_by_std_in_grpo: bool = _grpo_std()
@@ -93,14 +99,17 @@ class GRPOPassK(_Estimator):
 
 
 class RLOO(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["rloo"] = "rloo"
 
 
 class OPO(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["opo"] = "opo"
 
 
 class GPGEstimator(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["gpg"] = "gpg"
 
 
@@ -110,6 +119,7 @@ class ReinforcePlusPlus(_Estimator):
 
 
 class ReinforcePlusPlusBaseline(_Estimator):
+    group_relative: ClassVar[bool] = True
     name: Literal["reinforce_plus_plus_baseline"] = "reinforce_plus_plus_baseline"
 
 
@@ -127,6 +137,7 @@ class OnlineDPO(_Estimator):
 
     needs_reference: ClassVar[bool] = True
     pairwise: ClassVar[bool] = True
+    group_relative: ClassVar[bool] = True  # a group whose rewards are all equal makes no pair
     name: Literal["online_dpo"] = "online_dpo"
     beta: float = Field(0.1, gt=0, allow_inf_nan=False,
                         description="DPO's beta: the inverse temperature of the preference (TRL's default 0.1).")

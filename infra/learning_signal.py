@@ -14,6 +14,10 @@ The run report and the Prefect artifact read those metrics back and show the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infra.rl_config import RLConfig
 
 WARNING_METRIC = "train/no_signal_warning"
 ZERO_STD, ALL_CORRECT, ALL_WRONG = ("train/frac_groups_zero_std", "train/frac_groups_all_correct",
@@ -21,25 +25,27 @@ ZERO_STD, ALL_CORRECT, ALL_WRONG = ("train/frac_groups_zero_std", "train/frac_gr
 
 
 def group_signal_metrics(group_ids: list[str], rewards: list[float], scores: list[float]) -> dict[str, float]:
-    """Per-step shares over groups (samples of one prompt): rewards all equal; all correct or all wrong
-    (every score >= 1, or every score <= 0: a subset of the first); pass@k (some sample scores >= 1, k the
-    group size, as evaluation's acc counts a correct answer) and mean@k (mean share of correct samples)."""
+    """Per-step shares over groups (samples of one prompt): pass@k (some sample scores >= 1, k the group size, as
+    evaluation's acc counts a correct answer) and mean@k (mean share of correct samples); and, over the groups of
+    two or more samples (one sample has no spread to lose), rewards all equal, all correct or all wrong (every
+    score >= 1, or every score <= 0: subsets of the first)."""
     groups: dict[str, list[tuple[float, float]]] = {}
     for g, reward, score in zip(group_ids, rewards, scores, strict=True):
         groups.setdefault(g, []).append((reward, score))
     if not groups:
         return {}
     num = len(groups)
-    zero_std = [g for g in groups.values() if max(r for r, _ in g) - min(r for r, _ in g) <= 1e-6]
     sizes = sorted({len(g) for g in groups.values()})
     k = sizes[0] if len(sizes) == 1 else "k"  # equal-size groups name their k (pass@8); mixed sizes say k
-    return {
-        ZERO_STD: len(zero_std) / num,
-        ALL_CORRECT: sum(all(s >= 1 for _, s in g) for g in zero_std) / num,
-        ALL_WRONG: sum(all(s <= 0 for _, s in g) for g in zero_std) / num,
-        f"train/pass@{k}": sum(any(s >= 1 for _, s in g) for g in groups.values()) / num,
-        f"train/mean@{k}": sum(sum(s >= 1 for _, s in g) / len(g) for g in groups.values()) / num,
-    }
+    metrics = {f"train/pass@{k}": sum(any(s >= 1 for _, s in g) for g in groups.values()) / num,
+               f"train/mean@{k}": sum(sum(s >= 1 for _, s in g) / len(g) for g in groups.values()) / num}
+    several = [g for g in groups.values() if len(g) > 1]
+    if several:
+        zero_std = [g for g in several if max(r for r, _ in g) - min(r for r, _ in g) <= 1e-6]
+        metrics |= {ZERO_STD: len(zero_std) / len(several),
+                    ALL_CORRECT: sum(all(s >= 1 for _, s in g) for g in zero_std) / len(several),
+                    ALL_WRONG: sum(all(s <= 0 for _, s in g) for g in zero_std) / len(several)}
+    return metrics
 
 
 @dataclass
@@ -54,6 +60,19 @@ class NoSignalMonitor:
     @classmethod
     def create(cls, min_frac: float, num_steps: int) -> NoSignalMonitor:
         return cls(min_frac, num_steps, [])
+
+    @classmethod
+    def for_config(cls, rl: RLConfig) -> tuple[NoSignalMonitor, str | None]:
+        """The RL stage's monitor, off for estimators that do not compare a group's samples (their advantages need
+        not be 0 when a group's rewards are equal: the warning would be false), and a note for the log when such
+        an estimator gets groups of one sample."""
+        estimator = rl.algorithm.adv_estimator
+        monitor = cls.create(rl.no_signal_frac, rl.no_signal_steps if estimator.group_relative else 0)
+        if estimator.group_relative and rl.rollout.n == 1:
+            return monitor, (f"rl.rollout.n=1 with rl.algorithm.adv_estimator={estimator.name}: each group is one "
+                             "sample, which keeps its raw reward as its advantage (no baseline, as in verl); set "
+                             "rl.rollout.n to 4 or more for the group baseline")
+        return monitor, None
 
     def update(self, step: int, metrics: dict[str, float]) -> str | None:
         if self.num_steps == 0 or metrics.get(ZERO_STD, 0.0) < self.min_frac:

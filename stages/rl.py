@@ -137,7 +137,9 @@ class RLTrainer:
         self.schedule: AsyncSchedule | None = None  # rollout workers of their own: the asynchronous modes
         alg = self.rl.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl_type, alg.kl_coef, alg.target_kl, alg.kl_horizon)
-        self.no_signal = NoSignalMonitor.create(self.rl.no_signal_frac, self.rl.no_signal_steps)
+        self.no_signal, note = NoSignalMonitor.for_config(self.rl)
+        if note:
+            logger.warning("rl: %s", note)
         self.warned_dropped_pairs = False
         self.engine_checked = False  # the first weight sync of this process is always checked
         self.step = self.next_group = 0  # next_group: asynchronous modes, the first group no step has taken

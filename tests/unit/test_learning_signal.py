@@ -89,3 +89,50 @@ def test_report_rebuilds_the_warning_from_metrics():
             metrics[k].append((step, m[k]))
     assert warnings_from_metrics(metrics) == live and len(live) == 1
     assert warnings_from_metrics({ZERO_STD: [(1, 1.0)]}) == []
+
+
+def test_groups_of_one_sample_are_not_counted_as_without_signal():
+    """rl.rollout.n=1 (recipes/gsm8k_ppo.yaml: GAE) made every group 'zero spread' and the warning said 100% of the
+    groups had advantages 0 after three steps. One sample has no spread to lose: only groups of two or more count."""
+    m = group_signal_metrics(["a", "b", "c", "c", "d", "d"], [1.0, 0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    assert m[ZERO_STD] == 1 / 2 and m[ALL_CORRECT] == 1 / 2 and m[ALL_WRONG] == 0.0  # c of c, d
+    assert m["train/pass@k"] == 3 / 4  # a, c, d: every group
+    alone = group_signal_metrics(["a", "b"], [1.0, 0.0], [1.0, 0.0])
+    assert ZERO_STD not in alone and alone["train/pass@1"] == 1 / 2
+    monitor = NoSignalMonitor.create(0.9, 1)
+    assert monitor.update(1, alone) is None
+
+
+def test_the_estimators_that_the_warning_watches_are_those_whose_equal_groups_get_no_advantage():
+    """The no-signal warning (only for `group_relative` estimators) says a group of equal rewards has advantages 0:
+    that holds for exactly those estimators' math (prompt 0's 4 samples all rewarded 1, prompt 1's all 0)."""
+    import torch
+
+    from infra.algorithms import AdvEstimator, variant_names
+    from infra.rl_config import RLConfig
+    from stages.core.estimators import AdvantageInputs, compute_advantages
+
+    rewards = torch.tensor([[0.0, 1.0]] * 4 + [[0.0, 0.0]] * 4)
+    mask = torch.ones(8, 2, dtype=torch.bool)
+    inputs = AdvantageInputs(rewards, mask, index=[0] * 4 + [1] * 4, values=torch.full((8, 2), 0.3),
+                             reward_baselines=torch.zeros(8))
+    for name in variant_names(AdvEstimator):
+        estimator = RLConfig.model_validate({"algorithm": {"adv_estimator": name}}).algorithm.adv_estimator
+        advantages, _ = compute_advantages(name, inputs)
+        assert bool((advantages[:4] == 0).all()) == estimator.group_relative, name
+
+
+def test_the_monitor_watches_group_relative_estimators_and_notes_groups_of_one():
+    from infra.rl_config import RLConfig
+
+    def monitor(estimator: str, n: int):
+        rl = RLConfig.model_validate({"algorithm": {"adv_estimator": estimator}, "rollout": {"n": n}})
+        return NoSignalMonitor.for_config(rl)
+
+    grpo, note = monitor("grpo", 8)
+    assert grpo.num_steps == 3 and note is None
+    gae, note = monitor("gae", 1)  # recipes/gsm8k_ppo.yaml
+    assert gae.num_steps == 0 and note is None
+    assert all(gae.update(step, flat(step)) is None for step in range(1, 6))
+    _, note = monitor("rloo", 1)
+    assert note.startswith("rl.rollout.n=1 with rl.algorithm.adv_estimator=rloo: each group is one sample")
