@@ -150,16 +150,20 @@ class RolloutDriver:
         return {**result.metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
 
     def _greedy_baselines(self, batch: Batch, indices: list[int]) -> torch.Tensor:
-        """ReMax: each sample's baseline is the score of its prompt's greedy response."""
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length,
+        """ReMax: each sample's baseline is the reward of its prompt's greedy response, as `score` rewards the
+        samples (reward model and overlong penalty included), so a sample equal to it has advantage 0."""
+        reward, max_length = self.rl.reward, self.cfg.data.max_response_length
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_length,
                                 stop_token_ids=(self.tokenizer.eos_token_id,))
         with self.engines_awake():
             trajectories = self.rollout.run(self.train, indices, params)
         greedy = self.rollout.score(self.train, indices, trajectories).scores
         if self.reward_model:
             rm = self.rm_scores([indices[t.prompt_index] for t in trajectories], [t.text for t in trajectories])
-            greedy = [s + self.rl.reward.reward_model_weight * r for s, r in zip(greedy, rm)]
-        by_row = {indices[t.prompt_index]: s for t, s in zip(trajectories, greedy)}
+            greedy = [s + reward.reward_model_weight * r for s, r in zip(greedy, rm)]
+        penalty = overlong_penalty([len(t.response_ids) for t in trajectories], max_length, reward.overlong_buffer,
+                                   reward.overlong_penalty_factor)
+        by_row = {indices[t.prompt_index]: s + p for t, s, p in zip(trajectories, greedy, penalty, strict=True)}
         return torch.tensor([by_row[r] for r in batch.meta["prompt_row"]], dtype=torch.float32)
 
     def varied_groups(self, batch: Batch) -> Batch:

@@ -314,3 +314,28 @@ def test_a_warning_shows_the_traceback_the_first_time_it_is_met(tmp_path, caplog
     first, second = [r.getMessage() for r in caplog.records if "the reward failed" in r.getMessage()]
     assert f'File "{path}", line 2, in helper' in first and first.endswith("ZeroDivisionError: division by zero")
     assert "File " not in second and second.endswith("(its traceback: in the first warning about it)")
+
+
+def test_remax_baseline_is_rewarded_as_the_samples_are():
+    """ReMax's baseline is the greedy response's reward as `score` gives the samples (verl scores the baseline with
+    the same reward function): the overlong penalty was missing from it, so a sample equal to the greedy response
+    near the length limit got advantage -0.75 instead of 0 (score 1, 46 of 48 tokens, buffer 8, factor 1)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from infra.config import load_config
+    from stages.agent.trajectory import Trajectory
+    from stages.rl_rollout import RolloutDriver
+
+    cfg = load_config(None, ["rl.algorithm.adv_estimator=remax", "data.max_response_length=48",
+                             "rl.reward.overlong_buffer=8", "rl.reward.overlong_penalty_factor=1.0"])
+    greedy = [Trajectory(prompt_index=i, response_ids=[7] * length, response_mask=[1] * length,
+                         logprobs=[0.0] * length, finish_reason="stop", text="x") for i, length in enumerate((46, 10))]
+    rollout = SimpleNamespace(run=lambda train, indices, params: greedy,
+                              score=lambda train, indices, trajectories: SimpleNamespace(scores=[1.0, 1.0]))
+    driver = SimpleNamespace(rl=cfg.rl, cfg=cfg, tokenizer=SimpleNamespace(eos_token_id=2), rollout=rollout,
+                             reward_model=None, engines_awake=nullcontext, train=None)
+    batch = SimpleNamespace(meta={"prompt_row": [5, 5, 9]})
+    baselines = RolloutDriver._greedy_baselines(driver, batch, [5, 9])
+    # 46 tokens: 6 into the 8-token buffer before 48 -> penalty -(46 - 40) / 8 = -0.75; 10 tokens: none
+    assert baselines.tolist() == [0.25, 0.25, 1.0]
