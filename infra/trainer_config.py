@@ -79,7 +79,8 @@ class ActorConfig(TrainerConfig):
         default_factory=Vanilla, description="vanilla | gspo | gpg | cispo | clip_cov | kl_cov, a name or {name: ..., "
         "its parameters} (infra/algorithms.py).")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        Field("token-mean", description="How token losses become the batch loss.")
+        Field("token-mean", description="How token losses become the batch loss (policy_loss=gspo: "
+              "seq-mean-token-mean unless given).")
     )
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28).")
@@ -112,6 +113,17 @@ class ActorConfig(TrainerConfig):
     @classmethod
     def _policy_loss_name(cls, value):
         return as_variant(value, "vanilla")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_averages_sequences(cls, data):
+        """GSPO's loss is a mean over sequences of their tokens' mean (the paper's; verl forces it): its default
+        when rl.actor.loss_agg_mode is not given. A mode that is given is kept."""
+        if isinstance(data, dict) and "loss_agg_mode" not in data:
+            loss = as_variant(data.get("policy_loss"), "vanilla")
+            if isinstance(loss, dict) and loss.get("name") == "gspo":
+                return {**data, "loss_agg_mode": "seq-mean-token-mean"}
+        return data
 
     @model_validator(mode="after")
     def _sequence_parallel_packs(self) -> ActorConfig:

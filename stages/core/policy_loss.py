@@ -26,8 +26,8 @@ clip). Metrics are means over the given micro-batch. Losses that do not clip acc
 ratios, so the loop can call any entry the same way.
 
 Deviations from verl:
-    * gspo aggregates with the `loss_agg_mode` it is given (default seq-mean-token-mean); verl overrides
-      any mode with seq-mean-token-mean. Set seq-mean-token-mean in the recipe to match the paper.
+    * gspo aggregates with the `loss_agg_mode` it is given; verl overrides any mode with seq-mean-token-mean.
+      The config gives gspo seq-mean-token-mean unless rl.actor.loss_agg_mode is set (infra/trainer_config.py).
     * gpg reports the real `actor/ppo_kl` (verl reports 0).
     * The log-ratio is zeroed under the mask before use, so garbage (even inf) there cannot reach the loss
       or its gradient.

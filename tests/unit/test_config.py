@@ -168,3 +168,13 @@ def test_the_command_line_prints_the_error_and_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(project)})
     assert done.returncode == 2 and done.stderr.startswith("error: recipe ") and "Traceback" not in done.stderr
+
+
+def test_gspo_averages_sequences_unless_a_mode_is_given():
+    """Choosing GSPO kept the token-mean default, so long sequences weighed more than short ones (9:1 for 9 and 1
+    tokens); the paper's and verl's mean over sequences of their tokens' mean is its default now."""
+    assert load_config(None, ["rl.actor.policy_loss=gspo"]).rl.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert load_config(None, ["rl.actor.policy_loss={name: gspo}"]).rl.actor.loss_agg_mode == "seq-mean-token-mean"
+    given = ["rl.actor.loss_agg_mode=token-mean", "rl.actor.policy_loss=gspo"]
+    assert load_config(None, given).rl.actor.loss_agg_mode == "token-mean"
+    assert load_config(None, []).rl.actor.loss_agg_mode == "token-mean"
