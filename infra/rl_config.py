@@ -4,8 +4,8 @@ verl users will recognise the names: `rl.train_batch_size` (prompts per step), `
 `rl.actor.ppo_mini_batch_size` (prompts per optimizer step, global), `rl.actor.micro_batch_size`
 (sequences per forward/backward on one device), `rl.algorithm.adv_estimator`, `rl.actor.policy_loss`,
 `rl.actor.loss_agg_mode`, `rl.algorithm.use_kl_in_reward`, `rl.actor.use_kl_loss`. Algorithms are chosen
-by config alone (README.md's "Algorithms, chosen by config" gives the settings of each); `recipes/` has GRPO, DAPO, PPO and online
-DPO recipes.
+by config alone (README.md's "Algorithms, chosen by config" gives the settings of each); `recipes/` has GRPO,
+DAPO, PPO and online DPO recipes.
 The sections of the trained models (rl.actor, rl.critic and their optim) live in infra/trainer_config.py.
 """
 
