@@ -76,6 +76,10 @@ class RolloutCorrectionConfig(Section):
                              "set rollout_rs (e.g. token_k1) or remove the threshold")
         if self.rollout_is_batch_normalize and self.rollout_is is None:
             raise ValueError("rollout_is_batch_normalize=true needs weights: set rollout_is (token or sequence)")
+        if self.rollout_is_batch_normalize and self.bypass_mode:
+            raise ValueError("rollout_is_batch_normalize=true with bypass_mode=true: bypass weighs each micro-batch "
+                             "against the current policy as it trains, so the batch mean would be each micro-batch's "
+                             "own and the update would depend on how a mini-batch is split; set one of them to false")
         if self.loss_type != "ppo_clip" and not self.bypass_mode:
             raise ValueError(f"loss_type={self.loss_type} applies only with bypass_mode=true (as in verl); without "
                              "it the loss is rl.actor.policy_loss")

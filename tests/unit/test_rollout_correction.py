@@ -158,6 +158,10 @@ def test_config_follows_verls_threshold_rules():
      "rl.actor.policy_loss=gpg"),
     (["rl.algorithm.rollout_correction.rollout_is=token", "rl.actor.policy_loss=kl_cov"], "is not supported"),
     (["rl.algorithm.rollout_correction.rollout_is_batch_normalize=true"], "needs weights"),
+    # normalised per micro-batch, the update depended on the split (verl at least all-reduces over ranks)
+    (["rl.algorithm.rollout_correction.bypass_mode=true", "rl.algorithm.rollout_correction.loss_type=reinforce",
+      "rl.actor.policy_loss=gpg", "rl.algorithm.rollout_correction.rollout_is=token",
+      "rl.algorithm.rollout_correction.rollout_is_batch_normalize=true"], "how a mini-batch is split"),
 ])
 def test_bad_settings_name_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
