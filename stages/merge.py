@@ -24,9 +24,12 @@ does for any model.
 CLI (any checkpoint in the store):
     python -m stages.merge [--root ROOT] [--endpoint-url URL] --checkpoint SPEC [--step N]
                            [--out DIR] [--name NAME] [--base-model PATH|REF] [--lora-alpha A]
-SPEC is `checkpoint/NAME@VERSION`, `NAME@VERSION` or `NAME` (its latest step, or the one `--step` names).
-`--out` writes the folder there; `--name` puts it in the store as the versioned artifact `model/NAME` with
-lineage inputs {checkpoint, base_model}; give at least one.
+SPEC is `checkpoint/NAME@VERSION`, `NAME@VERSION` or `NAME` (its latest step, or the one `--step` names; with
+a version, `--step` must be that version's step). `--out` writes the folder there; `--name` puts it in the store as
+the versioned artifact `model/NAME` with lineage inputs {checkpoint, base_model}; give at least one.
+Everything the command is given (--name, --lora-alpha, --out, the store root, the checkpoint and its step) is checked
+before anything is read, merged or created. Exit status: 0; 2 for bad input (the one `error:` line names it and the
+fix), as argparse and `python -m infra.store`; 1 when the storage fails.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -94,7 +98,10 @@ def resolve_checkpoint(store: ArtifactStore, spec: str, step: int | None = None)
         if ref.kind != "checkpoint":
             raise ValueError(f"--checkpoint {spec!r}: a {ref.kind!r} artifact; pass a checkpoint ref "
                              "(list them with `python -m infra.store list checkpoint`)")
-        store.manifest(ref)  # FileNotFoundError naming the ref when absent
+        found = int(store.manifest(ref).metadata.get("step", -1))  # FileNotFoundError naming the ref when absent
+        if step is not None and step != found:
+            raise ValueError(f"--step {step}: --checkpoint {spec!r} is the checkpoint of step {found}; pass "
+                             f"--checkpoint {ref.name} --step {step} for step {step}, or leave --step out")
         return ref
     name = text.removeprefix("checkpoint/")
     by_step = {int(m.metadata["step"]): m.ref for m in store.versions("checkpoint", name)}
@@ -157,6 +164,9 @@ def hf_state(state: dict[str, torch.Tensor], lora_alpha: float | None) -> tuple[
 
     ranks = {int(v.shape[0]) for k, v in state.items() if _LORA_A.search(k)}
     if not ranks:
+        if lora_alpha is not None:  # given by hand (a manifest records none without LoRA): say it did nothing
+            logger.warning("LoRA alpha %s (--lora-alpha) ignored: the checkpoint holds no LoRA adapters (a full "
+                           "fine-tune); its weights are written as they are", lora_alpha)
         return hf_weights(state, None), None
     if len(ranks) > 1:
         raise ValueError(f"LoRA adapters with different ranks {sorted(ranks)}; only one rank is supported")
@@ -199,7 +209,8 @@ def write_hf_folder(state: dict[str, torch.Tensor], base_dir: str, out_dir: Path
     dtype = dtypes.pop()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    _check_names(state, set(model.state_dict()), getattr(config, "tie_word_embeddings", False))
+    expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    _check_weights(state, expected, getattr(config, "tie_word_embeddings", False))
     try:
         model.generation_config = GenerationConfig.from_pretrained(base_dir)
     except OSError:
@@ -210,11 +221,20 @@ def write_hf_folder(state: dict[str, torch.Tensor], base_dir: str, out_dir: Path
     return out_dir
 
 
-def _check_names(state: dict[str, torch.Tensor], expected: set[str], tied: bool) -> None:
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+def _check_weights(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """The checkpoint's names and shapes are the base model's (`expected`: name -> shape), before anything is
+    written: save_pretrained writes mismatched shapes that transformers then cannot load."""
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(f"checkpoint weights do not match the base model's architecture: missing={missing[:5]} "
                          f"unexpected={unexpected[:5]}; is --base-model the model this checkpoint was trained from?")
+    wrong = [name for name in sorted(expected) if tuple(state[name].shape) != expected[name]]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(f"checkpoint weights do not match the base model's shapes: {name} is "
+                         f"{tuple(state[name].shape)} in the checkpoint and {expected[name]} in the base model "
+                         f"({len(wrong)} of {len(expected)} weights differ); is --base-model the model this "
+                         "checkpoint was trained from?")
     if tied and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             raise ValueError("config has tie_word_embeddings but the checkpoint's lm_head and embeddings differ")
@@ -248,31 +268,77 @@ def store_merged(store: ArtifactStore, source: MergeSource, result: MergeResult,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from infra.store import StoreError
+
+    args = _parse_args(argv)
+    try:
+        report = _run(args)
+    except (FileNotFoundError, ValueError) as exc:  # bad input: no such store, checkpoint or step; a wrong base model
+        print(f"error: {exc}", file=sys.stderr)
+        return 2  # argparse's status for bad input, as `python -m infra.store`
+    except StoreError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(json.dumps(report))
+    return 0
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, those checkable without the store checked here (argparse's `error:` and exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m stages.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="outputs/store", help="storage.root (a folder or s3://bucket/prefix)")
     parser.add_argument("--endpoint-url", default=None, help="S3 endpoint (storage.endpoint_url)")
     parser.add_argument("--checkpoint", required=True, help="checkpoint/NAME@VERSION, NAME@VERSION or NAME")
-    parser.add_argument("--step", type=int, default=None, help="with a NAME: this step instead of the latest")
+    parser.add_argument("--step", type=int, default=None, help="with a NAME: this step instead of the latest; with "
+                        "a NAME@VERSION: must be that version's step")
     parser.add_argument("--out", type=Path, default=None, help="write the merged HF folder here")
-    parser.add_argument("--name", default=None, help="put the merged folder in the store as model/NAME")
+    parser.add_argument("--name", type=_model_name, default=None,
+                        help="put the merged folder in the store as model/NAME")
     parser.add_argument("--base-model", default=None, help="override the base model named by lineage")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha, if the manifest lacks it")
+    parser.add_argument("--lora-alpha", type=_lora_alpha, default=None,
+                        help="LoRA alpha (a finite number > 0: model.lora.alpha of the training run), for a LoRA "
+                        "checkpoint whose manifest lacks it; a checkpoint without adapters ignores it, with a warning")
     args = parser.parse_args(argv)
     if args.out is None and args.name is None:
         parser.error("give --out DIR and/or --name NAME")
-    if args.out is not None:
-        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-            parser.error(f"--out {args.out}: exists and is not an empty folder; pass a new or empty folder")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out is not None and args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        parser.error(f"--out {args.out}: exists and is not an empty folder; pass a new or empty folder")
+    return args
+
+
+def _model_name(text: str) -> str:
+    """--name, by the rule the store applies to artifact names (ArtifactRef's), before any merge work."""
+    try:
+        ArtifactRef("model", text, "0" * 16)  # any valid version: only the name is checked
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _lora_alpha(text: str) -> float:
+    """--lora-alpha: nan would write NaN weights and 0 drop the adapters without a word."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0 (model.lora.alpha of the training "
+                                         "run, e.g. 16)")
+    return value
+
+
+def _run(args: argparse.Namespace) -> dict:
+    """Check the store, the checkpoint and its step (nothing created yet), then merge; -> the report."""
     from infra.store import ArtifactStore
 
     store = ArtifactStore(args.root, args.endpoint_url)
+    store.check_exists()  # FileNotFoundError naming the root; looking never creates a store
     source = merge_source(store, resolve_checkpoint(store, args.checkpoint, args.step), args.base_model,
                           args.lora_alpha)
     report: dict = {"checkpoint": str(source.checkpoint), "step": source.step, "base_model": source.base_model}
     # Merge into a temporary folder next to --out, then rename: --out is complete or absent.
     prefix = f".{args.out.name}.merge-" if args.out else ".merge-"
     if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         remove_killed_merges(args.out.parent, prefix)
     with tempfile.TemporaryDirectory(dir=args.out.parent if args.out else None, prefix=prefix) as tmp:
         result = merge_checkpoint(source, Path(tmp) / "model")
@@ -281,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             os.rename(result.out_dir, args.out)  # replaces an empty folder
             report["out"] = str(args.out)
-    print(json.dumps(report))
-    return 0
+    return report
 
 
 def remove_killed_merges(parent: Path, prefix: str) -> None:
