@@ -27,7 +27,7 @@ the queue has room (`queue_groups`), and the trainer drops groups over the bound
 Resume: the checkpoint records the next group to take (`next_group`); groups that were queued or in flight when the
 run stopped are generated again, with the checkpoint's weights. A rollout worker that dies fails the step with its
 error; one that stalls fails it after `rollout_timeout_s` without a group (or with a weight push or validation
-waiting that long for its engine call or chunk in flight); dynamic sampling that generates
+waiting that long for its engine call or chunk in flight, or a push's own worker calls taking that long); dynamic sampling that generates
 `max_num_gen_batches` steps' worth of groups without filling a step fails it as the synchronous loop does (it
 used to generate on until that timeout, which then blamed the workers). Validation pauses the producer at a chunk
 boundary and pushes the current weights first, so it measures the policy of the step.
@@ -392,20 +392,25 @@ class AsyncSchedule:
         return self.rollout.push(version, lambda: self._send(version))
 
     def _send(self, version: int) -> dict[str, float]:
-        """Trainer ranks gather and broadcast, rollout workers receive into their engines; then the check."""
-        t = self.trainer
+        """Trainer ranks gather and broadcast, rollout workers receive into their engines; then the check. Each
+        wait on the workers is bounded by rl.async_training.rollout_timeout_s: a stalled one fails the run."""
+        t, timeout = self.trainer, self.rollout.timeout_s
         refs = [h.send_weights.remote() for h in t.actor.handles]
         refs += [h.receive_weights.remote(self.meta) for h in t.engines.handles]
         try:
-            results = t.actor.get_all(refs)
+            results = t.actor.get_all(refs, timeout)
+            metrics = {**results[0], "timing_s/receive": max(results[len(t.actor.handles):])}
+            metrics.update(self._check(version, timeout))
+            return {**metrics, **t.engines.call_within(timeout, "memory_metrics")[0]}  # the rollout workers'
         except ray_errors() as exc:
             raise RolloutFailed(f"a rollout worker died during a weight push ({exc}); the run stops here, and a "
                                 "rerun resumes from the last checkpoint") from exc
-        metrics = {**results[0], "timing_s/receive": max(results[len(t.actor.handles):])}
-        metrics.update(self._check(version))
-        return {**metrics, **t.engines.call("memory_metrics")[0]}  # the rollout workers', since the last push
+        except TimeoutError as exc:
+            raise RolloutFailed(f"a weight push of version {version} stalled: {exc} (rl.async_training."
+                                "rollout_timeout_s); a worker is stuck, and a rerun resumes from the last "
+                                "checkpoint") from exc
 
-    def _check(self, version: int) -> dict[str, float]:
+    def _check(self, version: int, timeout_s: float) -> dict[str, float]:
         """Every engine generates greedy tokens on the check prompts; the trainer re-scores them (as the colocated
         sync does) when due after version `version`: StaleEngineError above rl.rollout.logprob_check_tol."""
         t = self.trainer
@@ -414,7 +419,8 @@ class AsyncSchedule:
         if not tokens or not prompts:
             return {}
         params = SamplingParams(n=1, temperature=0.0, max_tokens=tokens)
-        per_engine = t.engines.call("generate", prompts, params)[:: t.rl.rollout.tensor_model_parallel_size]
+        per_engine = t.engines.call_within(timeout_s, "generate", prompts, params)
+        per_engine = per_engine[:: t.rl.rollout.tensor_model_parallel_size]
         diff = t.actor.call_one("engine_diff", prompts, [o for outs in per_engine for o in outs])
         return {"rollout/logprob_diff_max": diff}
 

@@ -16,6 +16,8 @@ consecutive ranks of a group get the same rows, and the group's first rank's res
 
 from __future__ import annotations
 
+import time
+
 import logging
 import os
 import socket
@@ -195,14 +197,23 @@ class WorkerGroup:
         return self.call_each(method, [(parts[rank // self.sequence_parallel_size], *args)
                                        for rank in range(self.world_size)])
 
+    def call_within(self, timeout_s: float, method: str, *args) -> list:
+        """`call`, or TimeoutError when the ranks have not all answered in `timeout_s` (a stalled worker)."""
+        return self.get_all([getattr(h, method).remote(*args) for h in self.handles], timeout_s)
+
     @staticmethod
-    def get_all(refs: list) -> list:
-        """Results in rank order; a failed rank raises at once, not after ranks blocked in a collective with it."""
+    def get_all(refs: list, timeout_s: float | None = None) -> list:
+        """Results in rank order; a failed rank raises at once, not after ranks blocked in a collective with it.
+        `timeout_s`: TimeoutError when they are not all done by then (the calls go on in their workers)."""
         import ray
 
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(f"{len(pending)} of {len(refs)} worker calls not done after {timeout_s:g} s")
             ray.get(ready)
         return ray.get(refs)
 

@@ -793,3 +793,38 @@ def test_fields_the_mode_does_not_read_are_named():
     fully = load_config(None, ["rl.async_training.mode=fully_async", "ray.rollout_devices_per_node=1",
                                "rl.async_training.max_staleness=3", "rl.async_training.partial_rollout=false"])
     assert fully.rl.async_training.ignored_fields(separate=True) == []
+
+
+def test_a_weight_push_whose_workers_stall_fails_after_the_timeout(monkeypatch):
+    """The push's own work (trainer ranks' send, rollout workers' receive, the check's generate, the memory report)
+    waited on the workers without a bound: a rollout worker stuck in receive_weights hung the trainer, and with it
+    the producer (`_pushing` stayed set). Each wait is bounded by rollout_timeout_s now."""
+    import ray
+
+    from stages.workers.group import WorkerGroup
+
+    waited = []
+
+    def never_ready(pending, num_returns, timeout):
+        waited.append(timeout)
+        return [], pending
+
+    monkeypatch.setattr(ray, "wait", never_ready)
+    with pytest.raises(TimeoutError, match=r"^2 of 2 worker calls not done after 0\.05 s$"):
+        WorkerGroup.get_all(["a", "b"], 0.05)
+    assert 0 <= waited[0] <= 0.05
+
+    handle = SimpleNamespace(send_weights=SimpleNamespace(remote=lambda: "sent"),
+                             receive_weights=SimpleNamespace(remote=lambda meta: "received"))
+
+    def stalled(refs, timeout_s=None):
+        assert timeout_s == 0.05  # rollout_timeout_s
+        raise TimeoutError("1 of 2 worker calls not done after 0.05 s")
+
+    schedule = AsyncSchedule.__new__(AsyncSchedule)
+    schedule.trainer = SimpleNamespace(actor=SimpleNamespace(handles=[handle], get_all=stalled),
+                                       engines=SimpleNamespace(handles=[handle]))
+    schedule.rollout, schedule.meta = SimpleNamespace(timeout_s=0.05), None
+    with pytest.raises(RolloutFailed, match=r"^a weight push of version 3 stalled: 1 of 2 worker calls not done "
+                                            r"after 0\.05 s \(rl\.async_training\.rollout_timeout_s\)"):
+        schedule._send(3)
