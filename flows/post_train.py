@@ -175,7 +175,11 @@ def summary_table(results: dict[str, dict], states: dict[str, str]) -> str:
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
     """-> (recipe, overrides, verl overrides: every argument after `--verl`). `--verbose` becomes the override
     tracking.console=verbose, so that it reaches the flow as a parameter like any other (a deployment's run sets it
-    the same way, in `overrides`); it and `--refresh-cache` may stand anywhere, after `--verl` too."""
+    the same way, in `overrides`); it and `--refresh-cache` may stand anywhere, after `--verl` too. `-h`/`--help`
+    prints the usage (this module's docstring) and exits with 0."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        raise SystemExit(0)
     flags = ("--refresh-cache", "--verbose")
     args = [a for a in argv if a not in flags]
     split = args.index("--verl") if "--verl" in args else len(args)

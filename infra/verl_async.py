@@ -11,23 +11,57 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from infra.verl_convert import Convert, Given, Overrides, fully_async, total_steps, train_batch
+from infra.verl_convert import (
+    AfterDataPrep,
+    Convert,
+    Given,
+    Overrides,
+    epoch_steps,
+    fully_async,
+    total_epochs,
+    train_batch,
+)
 
 
 def rollout_total_epochs(value: Any, given: Given) -> Overrides:
-    """verl's asynchronous recipes: the rollouter's epochs over the prompts, as trainer.total_epochs."""
-    if given.get("trainer.total_training_steps", None) is not None or given.is_given("rollout.total_rollout_steps"):
+    """verl's asynchronous recipes: the rollouter's passes over the prompts, as trainer.total_epochs."""
+    if given.get("trainer.total_training_steps", None) is not None:
         return {}
-    return {"rl.total_steps": total_steps(given, "rollout.total_epochs")}
+    return rollout_steps(given)
 
 
 def total_rollout_steps(value: Any, given: Given) -> Overrides:
-    """verl's fully async recipe: prompts generated over the run -> steps of train_batch prompts."""
+    """verl's fully async recipe: prompts generated over the run -> steps of train_batch prompts (null: no bound)."""
     batch = train_batch(given)
-    if value < batch:
+    if value is not None and value < batch:
         raise ValueError(f"fewer prompts than one step takes ({batch}: async_training.require_batches x "
                          "ppo_mini_batch_size): raise it")
-    return {"rl.total_steps": value // batch}
+    return rollout_steps(given)
+
+
+def trainer_total_epochs(value: Any, given: Given) -> Overrides:
+    """trainer.total_epochs; in verl's fully async recipe one more bound on the rollouter's prompts."""
+    if fully_async(given) and given.get("trainer.total_training_steps", None) is None:
+        return rollout_steps(given)
+    return total_epochs(value, given)
+
+
+def rollout_steps(given: Given) -> Overrides:
+    """verl's fully async rollouter generates min(rollout.total_rollout_steps, rows x trainer.total_epochs) prompts, in
+    at most rollout.total_epochs passes over the rows (fully_async_rollouter.py): here the fewest steps that the
+    bounds given allow, an epoch being rows // train_batch steps. Bounds not given are not verl's defaults (100
+    prompts, 10 and 30 epochs) but absent: {} when none is given."""
+    prompts = given.get("rollout.total_rollout_steps", None)
+    steps = [] if prompts is None else [prompts // train_batch(given)]
+    epoch_keys = ["rollout.total_epochs"] + (["trainer.total_epochs"] if fully_async(given) else [])
+    steps += [epoch_steps(given, key) for key in epoch_keys if given.is_given(key)]
+    known = [s for s in steps if not isinstance(s, AfterDataPrep)]
+    bounds = ([min(known)] if known else []) + [s for s in steps if isinstance(s, AfterDataPrep)]
+    if not bounds:
+        return {}
+    if len(bounds) == 1:
+        return {"rl.total_steps": bounds[0]}
+    return {"rl.total_steps": AfterDataPrep(f"min({', '.join(map(str, bounds))})")}
 
 
 def rollout_gpus(value: Any, given: Given) -> Overrides:
@@ -70,8 +104,9 @@ def hybrid_engine(value: Any, given: Given) -> Overrides:
 
 def rollout_bypass(_value: Any, given: Given) -> Overrides:
     """use_rollout_log_probs / compute_prox_log_prob: the rollout's logprobs are the old policy (bypass) when the
-    first is on and the second (the trainer recomputing them) is off."""
-    bypass = bool(given.get("async_training.use_rollout_log_probs", False)) and not given.get(
+    first is on and the second (the trainer recomputing them) is off; the one not given has verl's default (True,
+    False: fully_async_ppo_trainer.yaml)."""
+    bypass = bool(given.get("async_training.use_rollout_log_probs", True)) and not given.get(
         "async_training.compute_prox_log_prob", False)
     return async_setting("rl.algorithm.rollout_correction.bypass_mode")(bypass, given)
 

@@ -81,6 +81,12 @@ def total_steps(given: Given, epochs_key: str = "trainer.total_epochs") -> int |
         return steps
     if not given.is_given(epochs_key):
         return given.base.rl.total_steps
+    return epoch_steps(given, epochs_key)
+
+
+def epoch_steps(given: Given, epochs_key: str) -> int | AfterDataPrep:
+    """`epochs_key`'s epochs x (training rows // train_batch_size): steps of whole batches, as verl drops a last
+    partial batch."""
     epochs, batch = given.get(epochs_key), train_batch(given)
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise ValueError(f"a whole number of epochs >= 1, not {epochs!r}")

@@ -322,9 +322,10 @@ ROWS = [
                                          "rollout workers run on the trainer's nodes here (ray.num_nodes)"),
             "only equal to trainer.nnodes"),
     via("rollout.total_rollout_steps", "rl.total_steps", verl_async.total_rollout_steps,
-        "fully async: prompts over the run // a step's prompts (require_batches x ppo_mini_batch_size)"),
+        "fully async: prompts over the run // a step's prompts (require_batches x ppo_mini_batch_size); as in verl "
+        "no more than rollout.total_epochs and trainer.total_epochs allow (the fewest steps); null: no bound"),
     via("rollout.total_epochs", "rl.total_steps", verl_async.rollout_total_epochs,
-        "as trainer.total_epochs (after data prep); total_rollout_steps or total_training_steps win"),
+        "as trainer.total_epochs (after data prep), a bound beside total_rollout_steps; total_training_steps wins"),
     via("rollout.test_freq", "rl.test_freq", verl_async.rollout_test_freq,
         "validation every N weight syncs: N x trigger_parameter_sync_step steps"),
     via("async_training.staleness_threshold", "rl.async_training.max_staleness", verl_async.staleness,
@@ -340,17 +341,20 @@ ROWS = [
         "generation in flight pauses at a push and goes on"),
     via("async_training.use_rollout_log_probs", "rl.algorithm.rollout_correction.bypass_mode",
         verl_async.rollout_bypass,
-        "the rollout's logprobs as the old policy (bypass), unless compute_prox_log_prob"),
+        "the rollout's logprobs as the old policy (bypass), unless compute_prox_log_prob; True when not given, as in "
+        "verl's recipe"),
     via("async_training.compute_prox_log_prob", "rl.algorithm.rollout_correction.bypass_mode",
         verl_async.rollout_bypass,
-        "True: the trainer recomputes the old policy's logprobs (no bypass; rollout_correction weights them)"),
+        "True: the trainer recomputes the old policy's logprobs (no bypass; rollout_correction weights them); "
+        "False: bypass unless use_rollout_log_probs=False"),
     *(no_setting("async_training.checkpoint_engine." + key, "weights reach the rollout workers as one NCCL broadcast "
                  "per tensor, loaded as they arrive (stages/workers/weight_transfer.py); nothing to tune")
       for key in ("enable", "device_buffer_size_M", "overlap_broadcast_and_consume", "bypass_cpu")),
     # ---- trainer
-    via("trainer.total_epochs", "rl.total_steps", c.total_epochs,
+    via("trainer.total_epochs", "rl.total_steps", verl_async.trainer_total_epochs,
         "epochs x (training rows // data.train_batch_size), set after data prep counts the rows (verl drops a last "
-        "partial batch too); ignored when total_training_steps is given, as in verl"),
+        "partial batch too); ignored when total_training_steps is given, as in verl; fully async: a bound beside "
+        "rollout.total_rollout_steps"),
     via("trainer.total_training_steps", "rl.total_steps", c.total_training_steps, "null: total_epochs decides"),
     same("trainer.project_name", "tracking.project"),
     via("trainer.experiment_name", "run.name", c.run_name, "letters, digits, . _ - only"),

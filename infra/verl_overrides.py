@@ -11,9 +11,9 @@ and returns:
   run's config.yaml keeps;
 - one console line per verl key: what it set, or why it sets nothing.
 
-Every problem is reported at once (`VerlKeyError`, a ConfigError: exit code 2): a key outside the table (with the
-nearest key the table has), a refused key or value with its reason, two verl keys setting one field to different
-values, a verl key and a native override setting the same field.
+Every problem is reported at once (`VerlKeyError`, a ConfigError: exit code 2): a native override that does not
+validate, a key outside the table (with the nearest key the table has), a refused key or value with its reason, two
+verl keys setting one field to different values, a verl key and a native override setting the same field.
 
 `trainer.total_epochs` needs the number of training rows, known only after data prep: the record holds
 `rl.total_steps=<after data prep: ...>` until the flow calls `resolve_after_data_prep` with the row count.
@@ -42,7 +42,7 @@ FLOAT = re.compile(r"[+-]?(\d[\d_]*\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|in
 
 
 class VerlKeyError(ConfigError):
-    """verl overrides that cannot run here; the message has one line per problem."""
+    """verl overrides (and native ones given with them) that cannot run here; the message has one line per problem."""
 
 
 @dataclass
@@ -124,17 +124,36 @@ def translate(recipe: str | Path | None, overrides: list[str], verl_args: list[s
             errors.append(f"{arg}: {exc}")
             continue
         given[key] = (raw, value, given[key][2] + 1 if key in given else 1)
-    base = load_config(recipe, IMPLIED + list(overrides))
+    base, valid = _base(recipe, list(overrides), errors)
     ctx = Given({key: value for key, (_, value, _) in given.items()}, base)
     mapped, lines, record = _map(given, ctx, errors)
-    errors += _clashes(mapped, overrides)
+    errors += _clashes(mapped, valid)
     if errors:
-        raise VerlKeyError("verl overrides that cannot run here (README 'From verl' lists the keys):\n  "
+        raise VerlKeyError("overrides that cannot run here (README 'From verl' lists verl's keys):\n  "
                            + "\n  ".join(errors))
     natives = [f"{key}={as_text(v)}" for key, (v, _) in mapped.items() if not isinstance(v, AfterDataPrep)]
     lines.insert(0, f"(verl's trainer: RL from the model as given, no SFT) -> {' '.join(IMPLIED)}")
     return Translation(IMPLIED + list(overrides) + natives + [f"run.source_overrides={json.dumps(record)}"],
                        lines, record)
+
+
+def _base(recipe: str | Path | None, overrides: list[str], errors: list[str]) -> tuple[Config, list[str]]:
+    """The recipe with the native overrides, which the verl keys are mapped onto, and the overrides in it. A native
+    override that does not validate is added to `errors` and left out, so that the verl keys are still checked
+    (against the config without it); a recipe that does not load raises its ConfigError."""
+    try:
+        return load_config(recipe, IMPLIED + overrides), overrides
+    except ConfigError:
+        pass
+    valid: list[str] = []
+    for native in overrides:
+        try:
+            load_config(recipe, IMPLIED + valid + [native])
+        except ConfigError as exc:
+            errors += str(exc).removeprefix("invalid configuration:\n  ").split("\n  ")
+            continue
+        valid.append(native)
+    return load_config(recipe, IMPLIED + valid), valid
 
 
 def _map(given: dict, ctx: Given, errors: list[str]) -> tuple[dict, list[str], dict]:

@@ -497,12 +497,73 @@ def test_verls_fully_async_recipe_resolves_to_our_fully_async_mode():
                "actor_rollout_ref.hybrid_engine=False", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
                "rollout.nnodes=1", "rollout.n_gpus_per_node=4", f"rollout.total_rollout_steps={512 * 16 * 10}",
                "rollout.total_epochs=10", "async_training.staleness_threshold=1",
-               "async_training.trigger_parameter_sync_step=32", "async_training.partial_rollout=True"])
+               "async_training.trigger_parameter_sync_step=32", "async_training.partial_rollout=True"], rows=10_000)
     assert (cfg.ray.num_devices_per_node, cfg.ray.rollout_devices_per_node) == (4, 4)
     a = cfg.rl.async_training
     assert (a.mode, a.trigger_parameter_sync_step, a.max_staleness, a.partial_rollout) == ("fully_async", 32, 63, True)
-    # a step = one local update of 64 prompts; 81,920 prompts = 1,280 steps (total_rollout_steps wins over epochs)
+    # a step = one local update of 64 prompts; 81,920 prompts = 1,280 steps, fewer than 10 epochs of 10,000 rows
+    # (10 x (10,000 // 64) = 1,560), so total_rollout_steps binds
     assert (cfg.rl.train_batch_size, cfg.rl.actor.ppo_mini_batch_size, cfg.rl.total_steps) == (64, 64, 1280)
+
+
+FULLY_ASYNC = ASYNC + [A + "ppo_mini_batch_size=64", "async_training.require_batches=1"]  # steps of 64 prompts
+
+
+@pytest.mark.parametrize(("verl", "steps"), [
+    (["rollout.total_rollout_steps=81920", "rollout.total_epochs=10"], 150),  # min(81,920 // 64 = 1,280, 10 x 15)
+    (["rollout.total_rollout_steps=81920", "trainer.total_epochs=2"], 30),  # min(1,280, 2 x (1,000 // 64) = 30)
+    (["rollout.total_rollout_steps=81920", "rollout.total_epochs=10", "trainer.total_epochs=3"], 45),  # min(., 150, 45)
+    (["rollout.total_rollout_steps=640", "rollout.total_epochs=10"], 10),  # min(640 // 64, 150)
+    (["rollout.total_rollout_steps=null", "rollout.total_epochs=2"], 30),  # null: no bound from prompts
+])
+def test_fully_async_generates_no_more_than_the_epochs_allow(verl, steps):
+    """verl's rollouter: min(rollout.total_rollout_steps, rows x trainer.total_epochs) prompts, in at most
+    rollout.total_epochs passes over the rows (fully_async_rollouter.py); 1,000 training rows here."""
+    cfg = run(FULLY_ASYNC + verl, rows=1000)
+    assert (cfg.rl.train_batch_size, cfg.rl.total_steps) == (64, steps)
+    assert pending(cfg) == []
+
+
+def test_fully_async_step_bound_waits_for_the_rows_and_null_prompts_set_nothing():
+    translation = translate(None, [], FULLY_ASYNC + ["rollout.total_rollout_steps=81920", "rollout.total_epochs=10"])
+    assert translation.record["rollout.total_epochs=10"] == [
+        "rl.total_steps=<after data prep: min(1280, 10 x (training rows // 64))>"]
+    cfg = load_config(None, translate(None, [], FULLY_ASYNC + ["rollout.total_rollout_steps=null"]).overrides)
+    assert cfg.rl.total_steps == BASE.rl.total_steps
+    assert cfg.run.source_overrides["rollout.total_rollout_steps=null"] == []
+
+
+@pytest.mark.parametrize(("verl", "bypass"), [
+    (["async_training.compute_prox_log_prob=False"], True),  # verl's use_rollout_log_probs defaults to True
+    (["async_training.compute_prox_log_prob=True"], False),
+    (["async_training.use_rollout_log_probs=False"], False),
+    (["async_training.use_rollout_log_probs=True", "async_training.compute_prox_log_prob=False"], True),
+])
+def test_rollout_logprobs_are_the_old_policy_as_in_verls_recipe(verl, bypass):
+    """fully_async_ppo_trainer.yaml: use_rollout_log_probs True, compute_prox_log_prob False; the trainer takes
+    rollout_log_probs as old_log_probs exactly when the first is on and the second off (fully_async ray_trainer.py)."""
+    assert run(ASYNC + verl).rl.algorithm.rollout_correction.bypass_mode is bypass
+
+
+def test_native_and_verl_problems_are_reported_at_once():
+    """A bad native override does not hide the verl keys' problems: each is a line of one VerlKeyError."""
+    recipe = PROJECT / "recipes/demo.yaml"
+    with pytest.raises(VerlKeyError) as err:
+        translate(recipe, ["rl.rollout.nn=3", "rl.rollout.n=4", "no_equals"], [R + "temprature=0.7", R + "n=5"])
+    lines = [line.strip() for line in str(err.value).splitlines()[1:]]
+    assert lines[0].startswith("unknown key 'rl.rollout.nn' (value 3)")
+    assert lines[1].startswith("override 'no_equals': expected KEY=VALUE")
+    assert lines[2].startswith(f"{R}temprature=0.7: not a verl key") and f"did you mean {R}temperature?" in lines[2]
+    assert lines[3] == f"{R}n=5 sets rl.rollout.n, and so does the override rl.rollout.n=4: give it once"
+    assert len(lines) == 4
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["recipes/demo.yaml", "rl.total_steps=3", "--help"]])
+def test_help_prints_the_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 0
+    assert "Run it:  python -m flows.post_train recipes/demo.yaml [key=value ...]" in capsys.readouterr().out
 
 
 def test_the_command_line_splits_at_verl():
