@@ -47,13 +47,19 @@ class PromptSampler:
         return torch.randperm(self.num_prompts, generator=generator).tolist()
 
     def indices(self, step: int, extra: int = 0) -> list[int]:
-        """Prompts of (1-based) `step`; `extra` > 0: another draw for dynamic sampling (DAPO)."""
-        if extra:
-            key = hashlib.sha256(f"{self.seed}/{step}/{extra}".encode()).hexdigest()
-            generator = torch.Generator().manual_seed(int(key[:15], 16))
-            return torch.randperm(self.num_prompts, generator=generator)[: self.batch_size].tolist()
+        """Prompts of (1-based) `step`; `extra` > 0: another draw for dynamic sampling (DAPO), of prompts that the
+        step has not had: a random order of the other prompts, `extra` batches into it (from its start again once
+        the step has had every prompt). A pure function of (step, extra), so a resumed step draws the same."""
         epoch, offset = divmod(step - 1, self.steps_per_epoch)
-        return self._order(epoch)[offset * self.batch_size : (offset + 1) * self.batch_size]
+        base = self._order(epoch)[offset * self.batch_size : (offset + 1) * self.batch_size]
+        if not extra:
+            return base
+        key = hashlib.sha256(f"{self.seed}/{step}/top-ups".encode()).hexdigest()
+        generator = torch.Generator().manual_seed(int(key[:15], 16))
+        taken = set(base)
+        others = [i for i in torch.randperm(self.num_prompts, generator=generator).tolist() if i not in taken]
+        start = (extra - 1) * self.batch_size
+        return [others[(start + k) % len(others)] for k in range(self.batch_size)] if others else base
 
 
 def rollout_batch(prompts: PromptSet, indices: list[int], trajectories: list[Trajectory], group_prefix: str,

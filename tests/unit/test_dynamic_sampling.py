@@ -62,3 +62,21 @@ def scored(responses: list[list[int]], meta: dict):
     batch = build_batch([[1, 2]] * n, responses, [[-0.5] * len(r) for r in responses], 0, {**base, **meta})
     batch.tensors["scores"] = batch.tensors["rewards"] = torch.ones(n)
     return batch
+
+
+def test_top_ups_draw_prompts_the_step_has_not_had():
+    """Each top-up drew a random batch of all prompts: with 32 of 256 a step's first top-up repeated ~4 of the step's
+    own prompts (some just dropped for zero spread), trained as two groups. Now a step's draws are distinct until it
+    has had every prompt, and the same on a resumed run."""
+    from stages.rl_data import PromptSampler
+
+    sampler = PromptSampler(256, 32, seed=3)
+    for step in (1, 2, 9):
+        draws = [sampler.indices(step, extra) for extra in range(8)]  # the step's batch and 7 top-ups: 256 prompts
+        assert sorted(i for draw in draws for i in draw) == list(range(256)), step
+        assert draws == [PromptSampler(256, 32, seed=3).indices(step, extra) for extra in range(8)]
+    assert sampler.indices(1, 1) != sampler.indices(2, 1)
+    again = sampler.indices(1, 8)  # past every prompt: from the start of the other prompts again
+    assert again == sampler.indices(1, 1)
+    small = PromptSampler(4, 4, seed=0)  # no prompt left outside the batch
+    assert small.indices(1, 1) == small.indices(1)
