@@ -9,6 +9,12 @@ its current logprobs (detached) with the engine's in every micro-batch (stages/w
 `bypass_mode` loss does; the rejection masks the policy-gradient loss only, whose global token and sequence counts
 stay those of the rollout's mask (verl's too).
 
+Deviation from verl: verl replaces the response mask with the rejection mask before computing the advantages, so
+its GAE and REINFORCE++ returns (and the whitening of the batch-normalised estimators) skip rejected tokens, and a
+sequence whose last token is rejected loses its outcome reward from every return. Here the advantages are computed
+on the rollout's mask and the rejection applies to the losses only; outcome estimators (GRPO, RLOO, ...) give the
+same advantages either way.
+
 The actor multiplies each token's policy-gradient loss by its weight (verl's `pg_losses * rollout_is_weights`) by
 giving the policy loss `weights * advantages` (`weighted_advantages`): for weights > 0 (they are exp(...) >= 2e-9,
 truncated, over a positive batch mean) every loss that is linear in A or a max/min of such terms (vanilla with its
