@@ -89,12 +89,14 @@ def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoin
             trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
             metrics = trainer.fit()
     finally:
-        if trainer:
-            trainer.close()
-        if started_ray:
-            import ray
+        try:
+            if trainer:
+                trainer.close()
+        finally:
+            if started_ray:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
     ref = checkpoints.at_step(trainer.step)
     if ref is None:  # fit() saves the last step (or resumed from its checkpoint), so `checkpoints` dropped it
         raise RuntimeError(f"rl: no checkpoint of the final step {trainer.step} after training; "
@@ -380,10 +382,13 @@ class RLTrainer:
         LINES.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
     def close(self) -> None:
-        if self.schedule:
-            self.schedule.close()
-        self.gen.close()
-        self._release_workers()
+        """Stop the producer and the reward pool; the workers are released even when one of those fails."""
+        try:
+            if self.schedule:
+                self.schedule.close()
+            self.gen.close()
+        finally:
+            self._release_workers()
 
     def _release_workers(self) -> None:
         for group in {id(g): g for g in (self.actor, self.engines, self.critic) if g}.values():
