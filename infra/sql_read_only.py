@@ -1,7 +1,12 @@
 """What keeps SQL over the store read-only (infra/sql.py opens the connections).
 
 Read-only: ``query``, ``read`` and the CLI run exactly one statement, a read (``READS``); anything else (COPY,
-CREATE, INSERT, SET, PRAGMA settings, INSTALL/LOAD, ATTACH, ...) is a ``ReadOnlyError`` naming its type. Each
+CREATE, INSERT, SET, PRAGMA settings, INSTALL/LOAD, ATTACH, ...) is a ``ReadOnlyError`` naming its type. Statements
+are judged on DuckDB's own parser and tokenizer, never on the text: comments are not tokens and a string literal is
+one token, so neither can hide or fake a statement. ``EXPLAIN ANALYZE`` runs what it explains, so an EXPLAIN is
+judged by the statement it explains: the text after ``EXPLAIN [ANALYZE]``, or after the option list in parentheses
+(``EXPLAIN (FORMAT json, ANALYZE) ...``; its end is the matching ``)`` token); every one of the two readings that
+DuckDB parses as one statement must be a read, and an EXPLAIN where neither does is refused. Each
 connection is also locked by DuckDB itself, set after the views and the S3 secret exist: ``allowed_paths`` = the
 views' files with ``enable_external_access=false`` (no other file or URL: ``read_csv('/etc/passwd')``, ``COPY
 ... TO`` a new file and ``ATTACH`` of a file are refused), no extension auto-installed or auto-loaded, and
@@ -25,9 +30,9 @@ from fsspec import AbstractFileSystem
 
 READS = ("SELECT, WITH ... SELECT, FROM ..., VALUES, TABLE, DESCRIBE, SHOW, SUMMARIZE, PIVOT/UNPIVOT ... IN (...), "
          "EXPLAIN [ANALYZE] of one of those")
-# Leading comments, EXPLAIN, ANALYZE, options: what follows is the statement that EXPLAIN ANALYZE would run.
-_EXPLAIN = re.compile(r"(?:\s|--[^\n]*\n|/\*.*?\*/)*EXPLAIN\s+(?:ANALY[SZ]E\s+)?"
-                      r"(?:\((?![\s(]*(?:SELECT|WITH|FROM|VALUES|TABLE)\b)[^)]*\)\s*)?", re.IGNORECASE | re.DOTALL)
+# Words between EXPLAIN and what it explains (DuckDB's grammar: EXPLAIN [ANALYZE|ANALYSE] [VERBOSE] stmt).
+_EXPLAIN_MODES = frozenset({"ANALYZE", "ANALYSE", "VERBOSE"})
+_WORD = re.compile(r"\w+")
 
 
 class ReadOnlyError(ValueError):
@@ -41,12 +46,63 @@ def check_read(sql: str) -> None:
         raise ValueError(f"only one SQL statement per query, got {len(statements)}: {sql!r:.300}")
     kind = statements[0].type
     if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs what it explains: judge that
-        explain = _EXPLAIN.match(sql)
-        explained = duckdb.extract_statements(sql[explain.end():]) if explain else []
-        kind = explained[0].type if len(explained) == 1 else kind
+        kind = _explained_kind(sql)
     if kind != duckdb.StatementType.SELECT:
         raise ReadOnlyError(f"the store is read-only: {kind.name} statements are refused ({sql.strip()!r:.300}); "
                             f"allowed: {READS}")
+
+
+def _explained_kind(sql: str) -> duckdb.StatementType:
+    """The type of the statement that the EXPLAIN sql explains: SELECT only if every reading of it is a read."""
+    kinds = [_one_statement(sql[start:]) for start in _explained_starts(sql)]
+    kinds = [kind for kind in kinds if kind is not None]
+    if not kinds:
+        raise ReadOnlyError(f"the store is read-only: cannot tell which statement this EXPLAIN explains "
+                            f"({sql.strip()!r:.300}); write it as EXPLAIN [ANALYZE] <a read>, allowed: {READS}")
+    return next((kind for kind in kinds if kind != duckdb.StatementType.SELECT), duckdb.StatementType.SELECT)
+
+
+def _explained_starts(sql: str) -> list[int]:
+    """Where the explained statement can start, on DuckDB's tokens: after EXPLAIN [ANALYZE] [VERBOSE], and, when
+    a '(' follows, also after its matching ')' (an option list: EXPLAIN (FORMAT json, ANALYZE) SELECT ...)."""
+    tokens = duckdb.tokenize(sql)
+    starts = [start for start, _ in tokens]
+
+    def word(i: int) -> str:
+        found = _WORD.match(sql, starts[i]) if tokens[i][1] == duckdb.token_type.keyword else None
+        return found.group().upper() if found else ""
+
+    if not starts or word(0) != "EXPLAIN":
+        return []
+    first = 1
+    while first < len(starts) and word(first) in _EXPLAIN_MODES:
+        first += 1
+    if first == len(starts):
+        return []
+    close = _matching_paren(sql, tokens, first)
+    return [starts[first]] + ([starts[close + 1]] if close is not None and close + 1 < len(starts) else [])
+
+
+def _matching_paren(sql: str, tokens: list, i: int) -> int | None:
+    """The index of the ')' token that closes the '(' token i; None if token i is not '(' or nothing closes it.
+    DuckDB's '(' and ')' are always tokens of their own; inside a string literal or a comment they are none."""
+    depth = 0
+    for j in range(i, len(tokens)):
+        start, kind = tokens[j]
+        if kind == duckdb.token_type.operator and sql[start] in "()":
+            depth += 1 if sql[start] == "(" else -1
+        if depth == 0:
+            return j if j > i else None
+    return None
+
+
+def _one_statement(sql: str) -> duckdb.StatementType | None:
+    """The type of sql if DuckDB parses it as exactly one statement, else None."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error:
+        return None
+    return statements[0].type if len(statements) == 1 else None
 
 
 class ReadOnlyFileSystem(AbstractFileSystem):

@@ -49,7 +49,8 @@ def test_reads_work_views_aggregates_joins(local):
     assert sql.query(local, f"SELECT count(*) AS n FROM read_parquet('{own_file}')") == [{"n": 2}]
 
 
-@pytest.mark.parametrize("statement", ["SELECT 1; SELECT 2", "SELECT 1; COPY (SELECT 1) TO '{out}'", "", "-- only"])
+@pytest.mark.parametrize("statement", ["SELECT 1; SELECT 2", "SELECT 1; COPY (SELECT 1) TO '{out}'", "", "-- only",
+                                       "SELECT 1 /* ; */; COPY (SELECT 1) TO '{out}' -- ;"])
 def test_exactly_one_statement(local, tmp_path, statement):
     out = tmp_path / "out.csv"
     with pytest.raises(ValueError, match="only one SQL statement per query, got [02]"):
@@ -78,6 +79,24 @@ REFUSED = [  # (statement, the type named in the error)
     ("PRAGMA threads = 1", "SET"),
     ("PRAGMA enable_profiling", "PRAGMA"),
     ("CALL pragma_version()", "CALL"),
+    # the end of EXPLAIN's option list is its ')' token, not a ')' in a comment: read as text, "SELECT 1--*/) ..."
+    # looked like the explained statement while DuckDB ran the COPY, overwriting (csv) or truncating to 0 bytes
+    # (parquet, reading the file it writes) a file of the store
+    ("EXPLAIN (ANALYZE /*)SELECT 1--*/) COPY (SELECT 42) TO '{store}/rollouts/run_id=run-a/step=00000001/"
+     "part-0.parquet' (FORMAT csv, USE_TMP_FILE false)", "COPY"),
+    ("EXPLAIN (ANALYZE /*)SELECT 1--*/) COPY (FROM read_parquet('{store}/rollouts/run_id=run-a/step=00000001/"
+     "part-0.parquet')) TO '{store}/rollouts/run_id=run-a/step=00000001/part-0.parquet' (FORMAT parquet, "
+     "USE_TMP_FILE false)", "COPY"),
+    ("EXPLAIN (ANALYZE -- )\n) COPY (SELECT 1) TO '{out}'", "COPY"),
+    ("EXPLAIN (FORMAT json, /* ) */ ANALYZE) COPY (SELECT 1) TO '{out}'", "COPY"),
+    ("/* EXPLAIN ANALYZE SELECT 1 */ EXPLAIN ANALYZE INSERT INTO rollouts (score) VALUES (1)", "INSERT"),
+    ("CREATE TEMPORARY SECRET s (TYPE s3, KEY_ID 'k', SECRET 's')", "CREATE"),
+    ("PREPARE p AS COPY (SELECT 1) TO '{out}'", "PREPARE"),
+    ("UPDATE rollouts SET score = 1", "UPDATE"),
+    ("USE memory", "SET"),
+    ("DETACH memory", "DETACH"),
+    ("VACUUM", "VACUUM"),
+    ("LOAD '{out}'", "LOAD"),
 ]
 
 
@@ -88,6 +107,38 @@ def test_writes_settings_extensions_and_attach_are_refused(local, tmp_path, stat
     with pytest.raises(sql.ReadOnlyError, match=f"^the store is read-only: {kind} statements are refused"):
         sql.query(local, statement.format(out=out, store=local.root))
     assert snapshot(tmp_path) == before
+
+
+READS_WITH_COMMENTS_AND_STRINGS = [  # reads that keep working: keywords in comments and strings are no statements
+    "EXPLAIN (SELECT count(*) FROM rollouts)",
+    "EXPLAIN (FORMAT json, ANALYZE) (SELECT count(*) FROM rollouts)",
+    "/* EXPLAIN (ANALYZE */ EXPLAIN ANALYZE -- ) COPY (SELECT 1) TO 'x'\nSELECT count(*) FROM rollouts",
+    "SELECT 'COPY (SELECT 1) TO ''x''; DROP VIEW metrics' AS s -- ; COPY (SELECT 1) TO 'y'",
+    "EXPLAIN ANALYZE SUMMARIZE rollouts",
+    "PIVOT rollouts ON run_id IN ('run-a', 'run-b') USING count(*) GROUP BY step",
+]
+
+
+@pytest.mark.parametrize("statement", READS_WITH_COMMENTS_AND_STRINGS)
+def test_reads_with_keywords_in_comments_and_strings_are_allowed(local, statement):
+    assert sql.query(local, statement)
+
+
+def test_a_statement_inside_a_string_does_not_run(local, tmp_path):
+    """query('...') runs the SQL of a string: DuckDB itself takes only a SELECT there."""
+    before = snapshot(tmp_path)
+    table_file = local.url("rollouts/run_id=run-a/step=00000001/part-0.parquet")
+    with pytest.raises(duckdb.ParserException, match="Expected a single SELECT statement"):
+        sql.query(local, f"SELECT * FROM query('COPY (SELECT 42) TO ''{table_file}'' (FORMAT csv, "
+                         "USE_TMP_FILE false)')")
+    assert snapshot(tmp_path) == before
+
+
+def test_an_explain_that_cannot_be_judged_is_refused(monkeypatch):
+    """Where the explained statement cannot be found on DuckDB's tokens, the EXPLAIN is refused, not allowed."""
+    monkeypatch.setattr(duckdb, "tokenize", lambda text: [])
+    with pytest.raises(sql.ReadOnlyError, match="cannot tell which statement this EXPLAIN explains"):
+        sql.check_read("EXPLAIN ANALYZE SELECT 1")
 
 
 @pytest.mark.parametrize("reader", ["read_text", "read_csv", "read_blob", "read_parquet", "glob"])
