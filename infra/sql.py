@@ -10,7 +10,8 @@ each a ``read_parquet`` over the explicit list of the table's files (``{table}/r
 part-0.parquet``, listed through the store when connecting) with ``hive_partitioning`` (the partition values
 are typed with ``hive_types``, so ``step`` is an integer and a label such as ``100`` stays text) and
 ``union_by_name`` (runs with different ``reward_*`` columns read together; missing ones are NULL). A table
-with no files yet gets an empty view with the partition columns, so ``SELECT count(*)`` gives 0. Views are
+with no files yet gets an empty view with the partition columns and the columns its writer writes
+(``EMPTY_COLUMNS``), so ``SELECT count(*)`` gives 0 and ``avg(score)`` no rows. Views are
 defined when connecting: a file written later is not seen on that connection.
 
 Bad files: one unreadable file must not break every query over every run. A file that DuckDB cannot read
@@ -69,10 +70,24 @@ __all__ = ["READS", "ReadOnlyError", "ReadOnlyFileSystem", "check_read", "connec
 
 # table -> (partition column, its DuckDB type)
 VIEWS = {**{table: ("step", "BIGINT") for table in STEP_TABLES}, "evals": ("label", "VARCHAR")}
-# Columns of an empty view besides run_id and the partition column (metrics and the pipeline's evals have a
-# fixed schema).
-EMPTY_COLUMNS = {"metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"}, "evals": EVAL_COLUMNS,
-                 "turns": TURN_COLUMNS}
+# The rows RL writes to `rollouts` (stages/rl_data.py `trajectory_rows`; `time` is its epoch seconds) and their
+# DuckDB types; asynchronous runs add token_policy_versions, reward functions their `reward_<name>` components.
+ROLLOUT_COLUMNS = {"group_id": "VARCHAR", "sample_index": "BIGINT", "data_source": "VARCHAR", "prompt": "VARCHAR",
+                   "response": "VARCHAR", "ground_truth": "VARCHAR", "num_prompt_tokens": "BIGINT",
+                   "num_response_tokens": "BIGINT", "score": "DOUBLE", "reward": "DOUBLE", "advantage": "DOUBLE",
+                   "old_logprob_mean": "DOUBLE", "ref_logprob_mean": "DOUBLE", "rollout_logprob_mean": "DOUBLE",
+                   "entropy_mean": "DOUBLE", "kl_mean": "DOUBLE", "finish_reason": "VARCHAR", "num_turns": "BIGINT",
+                   "num_tool_calls": "BIGINT", "num_tool_errors": "BIGINT", "policy_version": "BIGINT",
+                   "policy_version_max": "BIGINT", "staleness": "BIGINT", "token_policy_versions": "BIGINT[]",
+                   "time": "DOUBLE"}
+# The rows RL writes to `validation` (stages/validation.py `validation_samples`) and their DuckDB types.
+VALIDATION_COLUMNS = {"prompt_index": "BIGINT", "data_source": "VARCHAR", "score": "DOUBLE", "acc": "DOUBLE",
+                      "pred": "VARCHAR", "response": "VARCHAR", "ground_truth": "VARCHAR",
+                      "num_response_tokens": "BIGINT", "finish_reason": "VARCHAR", "time": "TIMESTAMPTZ"}
+# Columns of an empty view besides run_id and the partition column, so that a query over a store without that
+# table's files (a fresh store, SFT only, single-turn runs' turns) returns no rows instead of a Binder Error.
+EMPTY_COLUMNS = {"rollouts": ROLLOUT_COLUMNS, "metrics": {"name": "VARCHAR", "value": "DOUBLE", "time": "TIMESTAMPTZ"},
+                 "validation": VALIDATION_COLUMNS, "turns": TURN_COLUMNS, "evals": EVAL_COLUMNS}
 # Files a connection leaves out of its views before giving up: more than a stray bad file is a damaged store.
 MAX_SKIPPED_FILES = 20
 _CAST = re.compile(r'failed to cast column "(?P<column>.+?)" from type (?P<source>.+?) to (?P<target>.+?): ')

@@ -1,5 +1,6 @@
 """The SQL command line, ``python -m infra.sql [--root R] [--endpoint-url U] [--format table|csv|json]
-[--max-rows N] "SQL"`` (infra/sql.py runs ``main``; it says what the views hold and how bad files are skipped).
+[--max-rows N] "SQL"`` (infra/sql.py runs ``main``; it says what the views hold and how bad files are skipped);
+``python -m infra.sql_cli`` runs the same.
 
 Exit status: 0; 1 for a statement that fails or is refused (not one read) and for a storage failure; 2 for bad
 input: a root that holds no store (the message names it; looking never creates one) or a bad option.
@@ -64,16 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     default = StorageConfig()
     parser = argparse.ArgumentParser(
         prog="python -m infra.sql", description=infra.sql.__doc__.split("\n\n")[0],
-        epilog="views: rollouts, metrics, validation (run_id, step, ...); evals (run_id, label, ...). The store is "
-               f"read-only: one statement, a read ({READS}); refused: writes (COPY, CREATE, INSERT, ...), SET/PRAGMA "
-               "settings, INSTALL/LOAD, ATTACH, and any file or URL outside the store's run tables. A file DuckDB "
-               "cannot read is skipped with a warning naming it.")
+        epilog="views: rollouts, metrics, validation, turns (run_id, step, ...); evals (run_id, label, ...). The "
+               f"store is read-only: one statement, a read ({READS}); refused: writes (COPY, CREATE, INSERT, ...), "
+               "SET/PRAGMA settings, INSTALL/LOAD, ATTACH, and any file or URL outside the store's run tables. A file "
+               "DuckDB cannot read is skipped with a warning naming it.")
     parser.add_argument("sql", help="one read statement, e.g. \"SELECT count(*) FROM rollouts\"")
     parser.add_argument("--root", default=default.root, help="local folder or s3://bucket/prefix")
     parser.add_argument("--endpoint-url", default=default.endpoint_url, help="S3 endpoint (or AWS_ENDPOINT_URL)")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    parser.add_argument("--max-rows", type=int, default=40,
-                        help="rows shown by --format table (the count of hidden rows is printed); csv/json print all")
+    parser.add_argument("--max-rows", type=_max_rows, default=40,
+                        help="rows shown by --format table, an integer >= 1 (default: 40; the count of rows and of "
+                             "those shown is printed); csv/json print all")
     args = parser.parse_args(argv)
     try:
         store = _existing_store(args.root, args.endpoint_url)
@@ -81,6 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         read(store, lambda con: _print(con.sql(args.sql), args.format, args.max_rows))
     except (duckdb.Error, StoreError, ValueError) as exc:
         raise SystemExit("error: " + " ".join(str(exc).split())) from None
+
+
+def _max_rows(text: str) -> int:
+    """--max-rows: an integer >= 1 (argparse reports the error, naming the option, and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1, the number of rows --format table "
+                                         "shows (e.g. --max-rows 100); csv/json print every row")
+    return value
 
 
 def _existing_store(root: str, endpoint_url: str | None) -> ArtifactStore:
@@ -92,3 +106,7 @@ def _existing_store(root: str, endpoint_url: str | None) -> ArtifactStore:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         raise SystemExit(2) from None
     return store
+
+
+if __name__ == "__main__":
+    main()
