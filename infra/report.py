@@ -20,7 +20,9 @@ rows exist) replaces it, and a link published once (the Prefect markdown artifac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
@@ -160,6 +162,27 @@ def write_report(store: ArtifactStore, rl_run_id: str, title: str | None = None,
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def write_out(out: Path, data: bytes) -> Path:
+    """Write data to the file --out atomically (a temporary file next to it, then a rename; its folder is created):
+    a reader never sees half a report. -> the file's absolute path. ValueError naming --out for a folder or a
+    file that cannot be written."""
+    out = out.expanduser().resolve()
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give the report's file name, e.g. "
+                         f"--out {str(out / REPORT_FILE)!r}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if tmp.exists():  # written, not renamed
+            tmp.unlink()
+        raise ValueError(f"--out {str(out)!r}: cannot write the report there ({exc.strerror or exc}); "
+                         "give a file path in a folder you can write to") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m infra.report --root ROOT --run RUN_ID [--out FILE]; exit 2 for an unknown run id."""
     from infra.config_sections import StorageConfig
@@ -180,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             url, warnings = write_report(store, args.run, args.title, evals_run_id=args.evals_run)
         else:
             report = build_report(store, args.run, args.title, evals_run_id=args.evals_run)
-            out = args.out.expanduser().resolve()
-            ArtifactStore(str(out.parent)).write_bytes(out.name, report.html.encode())  # atomic: temp file + rename
-            url, warnings = str(out), report.warnings
+            url, warnings = str(write_out(args.out, report.html.encode())), report.warnings
         for text in warnings:
             print(f"warning: {text}", file=sys.stderr)
         print(url)

@@ -278,3 +278,23 @@ def test_multi_turn_rollouts_show_their_turns(local):
     page = report_render.render(data, "t", None)
     assert "turn 1: tool calculator" in page and "turn 2: assistant" in page and "#### 84" in page
     assert any(alt.startswith("Tool use:") and "tool/calls" in alt for alt in images(page))
+
+
+def test_cli_out_takes_any_file_name_and_names_itself_in_errors(local, tmp_path, capsys):
+    """--out is written atomically next to itself (no store: a folder such as 'out [1]' is no storage.root); a
+    folder or an unwritable path is an error naming --out."""
+    write_run(local)
+    out = tmp_path / "out [1]" / "r é.html"
+    assert report.main(["--root", local.root, "--run", RUN, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert len(images(out.read_text())) == len(report_render.PANELS)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary file left
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for bad, why in ((out.parent, "is a folder; give the report's file name, e.g. --out "),
+                     (a_file / "r.html", "cannot write the report there")):
+        assert report.main(["--root", local.root, "--run", RUN, "--out", str(bad)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"error: --out {str(bad)!r}") and why in captured.err
+        assert "storage.root" not in captured.err
+    assert a_file.read_text() == "x" and [p.name for p in out.parent.iterdir()] == [out.name]
