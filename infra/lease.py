@@ -19,7 +19,8 @@ older than `TTL_S` (by its own time when this host wrote it, else since a waiter
 the waiters sleep `POLL_S` meanwhile. A holder whose heartbeat stalled past `TTL_S` (a store outage, a paused VM)
 and whose lease was taken over finds another owner at its next renewal: it writes nothing more to the lease, and
 `check(name)`, which the stage's checkpoints and tables call before they write, raises `LeaseLost`, so two flows
-never train one run.
+never train one run. `check` does not wait for that renewal: when none has found the lease ours for half its life,
+it reads the lease itself before the write goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -48,16 +50,52 @@ POLL_S = 5.0
 _LOST: set[str] = set()  # names of leases this process held and another flow run took over
 
 
+@dataclass
+class _Held:
+    """A lease this process holds: where, as whom, and when a read last found it ours (time.monotonic())."""
+
+    store: ArtifactStore
+    path: str
+    owner: str
+    confirmed: float
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the heartbeat thread and `check` confirm it
+
+
+_HELD: dict[str, _Held] = {}
+
+
 class LeaseLost(RuntimeError):
     """Another flow run took over this stage run's lease: this one must stop writing."""
 
 
 def check(name: str) -> None:
-    """Raise `LeaseLost` when this process held the lease `name` and another flow run has taken it over."""
+    """Raise `LeaseLost` when this process held the lease `name` and another flow run has taken it over. When no
+    renewal has found the lease ours for half its life (the heartbeat stalled: a store outage, a paused process),
+    the lease is read first, here: a waiter may have taken it over while the heartbeat thread has not looked yet."""
+    held = _HELD.get(name)
+    if name not in _LOST and held and time.monotonic() - held.confirmed > holder_ttl_s(held.store) / 2:
+        _confirm(name, held)
     if name in _LOST:
         raise LeaseLost(f"leases/{name}.json was taken over by another flow run after this one's heartbeat "
                         f"stalled for over {TTL_S:.0f} s; that run trains {name} now, so this one stops here "
                         "without writing (its steps are redone there from the last checkpoint)")
+
+
+def _confirm(name: str, held: _Held) -> bool:
+    """Read the lease: ours -> renew it and note the time; another owner's -> `name` is lost. -> whether ours."""
+    with held.lock:
+        if name in _LOST:
+            return False
+        now = time.monotonic()
+        holder = (_read(held.store, held.path) or {}).get("owner")
+        if holder != held.owner:
+            _LOST.add(name)
+            logger.error("%s: the lease is now held by %s (this run's heartbeat stalled for over %.0f s); this run "
+                         "stops writing %s", held.path, holder or "nobody", TTL_S, name)
+            return False
+        held.store.write_bytes(held.path, _record(held.owner, held.store))
+        held.confirmed = now
+        return True
 
 
 @contextmanager
@@ -66,8 +104,9 @@ def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
     path = f"leases/{name}.json"
     _acquire(store, path, owner)
     _LOST.discard(name)
+    held = _HELD[name] = _Held(store, path, owner, time.monotonic())
     stop = threading.Event()
-    beat = threading.Thread(target=_renew, args=(store, path, name, owner, stop), daemon=True, name=f"lease-{name}")
+    beat = threading.Thread(target=_renew, args=(name, held, stop), daemon=True, name=f"lease-{name}")
     beat.start()
     failed = True
     try:
@@ -85,6 +124,7 @@ def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
             # the stage's own error (often the same storage fault) is the one to report
             logger.warning("%s: could not release the lease (%s); it goes stale in %.0f s", path, exc, TTL_S)
         _LOST.discard(name)
+        _HELD.pop(name, None)
 
 
 def _record(owner: str, store: ArtifactStore | None = None) -> bytes:
@@ -206,15 +246,10 @@ def _drop_abandoned(store: ArtifactStore, marker: str, seen: dict[bytes, float])
             store.delete_table_file(marker)
 
 
-def _renew(store: ArtifactStore, path: str, name: str, owner: str, stop: threading.Event) -> None:
+def _renew(name: str, held: _Held, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
         try:
-            holder = (_read(store, path) or {}).get("owner")
-            if holder != owner:
-                _LOST.add(name)
-                logger.error("%s: the lease is now held by %s (this run's heartbeat stalled for over %.0f s); "
-                             "this run stops writing %s", path, holder or "nobody", TTL_S, name)
+            if not _confirm(name, held):
                 return
-            store.write_bytes(path, _record(owner, store))
         except (OSError, StoreError) as exc:  # the stage meets the store's error itself; keep renewing meanwhile
-            logger.warning("%s: could not renew the lease (%s)", path, exc)
+            logger.warning("%s: could not renew the lease (%s)", held.path, exc)

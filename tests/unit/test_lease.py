@@ -276,3 +276,23 @@ def test_a_lease_lost_during_a_checkpoint_upload_prunes_nothing(tmp_path, monkey
     finally:
         lease._LOST.discard("rl-up")
     assert sorted(m.metadata["step"] for m in store.versions("checkpoint", "rl-up")) == [1, 2]  # step 1 kept
+
+
+def test_a_holder_whose_heartbeat_stalled_reads_its_lease_before_writing(tmp_path, monkeypatch, caplog):
+    """A holder paused past the lease's life (a suspended VM) resumes writing at once, while its heartbeat thread
+    looks only at its next beat: a waiter that took the lease over meanwhile trained the same run beside it. `check`
+    reads the lease itself when no renewal has confirmed it for half its life."""
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 3600.0)  # the heartbeat thread never beats in this test
+    monkeypatch.setattr(lease, "TTL_S", 0.2)
+    store = ArtifactStore(str(tmp_path / "store"))
+    with lease.stage_lease(store, "rl-p", "flow-1"):
+        lease.check("rl-p")  # confirmed at acquire: no read
+        time.sleep(0.15)  # past half the life without a renewal
+        lease.check("rl-p")  # still ours: read, renewed, goes on
+        assert json.loads(store.read_bytes("leases/rl-p.json"))["owner"] == "flow-1"
+        store.write_bytes("leases/rl-p.json", json.dumps({"owner": "flow-2", "renewed": time.time()}).encode())
+        time.sleep(0.15)
+        with pytest.raises(lease.LeaseLost, match=r"leases/rl-p.json was taken over by another flow run"):
+            lease.check("rl-p")
+    assert json.loads(store.read_bytes("leases/rl-p.json"))["owner"] == "flow-2"  # neither renewed nor released
+    assert "the lease is now held by flow-2" in caplog.text
