@@ -16,11 +16,10 @@ consecutive ranks of a group get the same rows, and the group's first rank's res
 
 from __future__ import annotations
 
-import time
-
 import logging
 import os
 import socket
+import time
 
 import torch
 

@@ -94,7 +94,8 @@ def test_report_rebuilds_the_warning_from_metrics():
 def test_groups_of_one_sample_are_not_counted_as_without_signal():
     """rl.rollout.n=1 (recipes/gsm8k_ppo.yaml: GAE) made every group 'zero spread' and the warning said 100% of the
     groups had advantages 0 after three steps. One sample has no spread to lose: only groups of two or more count."""
-    m = group_signal_metrics(["a", "b", "c", "c", "d", "d"], [1.0, 0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    scores = [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    m = group_signal_metrics(["a", "b", "c", "c", "d", "d"], scores, scores)
     assert m[ZERO_STD] == 1 / 2 and m[ALL_CORRECT] == 1 / 2 and m[ALL_WRONG] == 0.0  # c of c, d
     assert m["train/pass@k"] == 3 / 4  # a, c, d: every group
     alone = group_signal_metrics(["a", "b"], [1.0, 0.0], [1.0, 0.0])
