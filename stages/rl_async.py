@@ -29,8 +29,9 @@ run stopped are generated again, with the checkpoint's weights. A rollout worker
 error; one that stalls fails it after `rollout_timeout_s` without a group (or with a weight push or validation
 waiting that long for its engine call or chunk in flight, or a push's own worker calls taking that long);
 dynamic sampling that generates `max_num_gen_batches` steps' worth of groups without filling a step fails it as
-the synchronous loop does (it used to generate on until that timeout, which then blamed the workers). Validation pauses the producer at a chunk
-boundary and pushes the current weights first, so it measures the policy of the step.
+the synchronous loop does (it used to generate on until that timeout, which then blamed the workers). Validation
+pauses the producer at a chunk boundary and pushes the current weights first, so it measures the policy of the
+step.
 """
 
 from __future__ import annotations
