@@ -1,7 +1,7 @@
 """Scorer of the synthetic arithmetic task (data/synthetic.py): the answer must be right, and so must the work.
 
-1.0 when the `#### N` answer (GSM8K's strict extraction: last `#### N` in the last 300 characters, commas
-stripped; "07" counts as 7) equals the ground truth AND the worked lines before it are a valid
+1.0 when the response has one `####` and its `#### N` answer (GSM8K's strict extraction, commas stripped; "07"
+counts as 7) equals the ground truth AND the worked lines before it are a valid
 derivation: each line is `a op b = c` with correct arithmetic, the first starts from the question's first
 operand, each next one from the previous result, the operands and operators follow the question
 (`extra_info["question"]`, when given), and the last result is N. Else 0.0.
@@ -22,6 +22,8 @@ APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a *
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    if solution_str.count("####") != 1:  # hedged answers: the work before the first, the answer after the last
+        return 0.0
     answer = _int(extract_solution(solution_str, "strict"))
     if answer is None or answer != _int(ground_truth.replace(",", "")):
         return 0.0

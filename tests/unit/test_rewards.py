@@ -77,6 +77,9 @@ def test_gsm8k_format_score_and_score():
         ("23 + 45 = 69\n69 - 8 = 61\n#### 61", "61", 0.0),  # right answer, wrong arithmetic (69)
         ("23 + 45 = 68\n60 - 7 = 53\n#### 53", "53", 0.0),  # not chained: 60 is not the previous result 68
         ("500 + 500 = 1000\n#### 1,000", "1000", 1.0),
+        # two answers: the work was checked before the first and the answer taken after the last (both scored 1)
+        ("23 + 45 = 68\n68 - 7 = 61\n#### 5\n#### 61", "61", 0.0),
+        ("23 + 45 = 68\n68 - 7 = 61\n#### 5\n99 * 99 = 1\n#### 61", "61", 0.0),
     ],
 )
 def test_arithmetic(solution, truth, expected):
