@@ -172,11 +172,10 @@ def last_user_content(prompt: list[dict[str, str]]) -> str:
 
 
 def ground_truth_of(answer: str, label: str) -> str:
-    """A bare ground truth as is; from a full answer, the text after its last '####' (commas out of numbers)."""
-    if "####" not in answer:
-        return answer.strip()
-    truth = answer.rsplit("####", 1)[1].strip()
-    if not truth:
+    """A bare ground truth, or from a full answer the text after its last '####'; commas out of a number either
+    way (the scorers strip them from the model's answer: '1,000' could never be matched)."""
+    truth = answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
+    if not truth and "####" in answer:
         raise BadRow(f"{label} has nothing after '####'")
     return truth.replace(",", "") if NUMBER.fullmatch(truth) else truth
 

@@ -569,3 +569,13 @@ def test_sft_targets_that_are_the_bare_ground_truth_are_warned_about(tmp_path, c
 def test_a_shortcut_fraction_the_calculator_task_would_ignore_is_refused():
     with pytest.raises(ValueError, match=r"shortcut_fraction=0.5 has no effect with tool_call_fraction=0.3"):
         SyntheticTaskConfig(tool_call_fraction=0.3, shortcut_fraction=0.5)
+
+
+def test_a_bare_numeric_ground_truth_loses_its_commas_as_one_after_hashes_does():
+    """'1,000' in an answer column stayed '1,000', which no scorer matches (they strip commas from the model's
+    answer): every such row scored 0."""
+    from data.files import ground_truth_of
+
+    assert ground_truth_of("1,000", "row 1 answer") == ground_truth_of("Total: 1,000 #### 1,000", "row 1") == "1000"
+    assert ground_truth_of(" Paris ", "row 2 answer") == "Paris" and ground_truth_of("1,2-diene", "r") == "1,2-diene"
+    assert default_compute_score("openai/gsm8k", "#### 1000", ground_truth_of("1,000", "row 1 answer")) == 1.0
