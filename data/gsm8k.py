@@ -58,6 +58,10 @@ def gsm8k_example(row: dict, index: int) -> Example:
 def load_gsm8k(cfg: DataConfig, seed: int) -> Splits:
     """source=gsm8k: a local GSM8K-format file/folder, or the hub dataset `data.gsm8k_path`."""
     local = Path(cfg.gsm8k_path).expanduser()
+    if (local / "main").is_dir():  # a snapshot of the hub dataset: its configs main/ and socratic/ (the same questions)
+        logger.info("%s: reading its config 'main' (%s), as the hub's load_dataset(..., 'main') does", local,
+                    local / "main")
+        local = local / "main"
     if local.exists():
         return load_local(local, gsm8k_example, cfg, seed)
     if not HUB_ID.fullmatch(cfg.gsm8k_path):

@@ -579,3 +579,14 @@ def test_a_bare_numeric_ground_truth_loses_its_commas_as_one_after_hashes_does()
     assert ground_truth_of("1,000", "row 1 answer") == ground_truth_of("Total: 1,000 #### 1,000", "row 1") == "1000"
     assert ground_truth_of(" Paris ", "row 2 answer") == "Paris" and ground_truth_of("1,2-diene", "r") == "1,2-diene"
     assert default_compute_score("openai/gsm8k", "#### 1000", ground_truth_of("1,000", "row 1 answer")) == 1.0
+
+
+def test_a_gsm8k_hub_snapshot_reads_its_main_config_only(tmp_path):
+    """A local copy of the hub dataset holds main/ and socratic/ (the same questions, other answers): both were read,
+    so every question came twice, in both splits."""
+    for config in ("main", "socratic"):
+        (tmp_path / "gsm8k" / config).mkdir(parents=True)
+        shutil.copy(SAMPLES / "gsm8k_sample.jsonl", tmp_path / "gsm8k" / config / "train.jsonl")
+        shutil.copy(SAMPLES / "gsm8k_test_sample.jsonl", tmp_path / "gsm8k" / config / "test.jsonl")
+    stats = run_data_prep(DataConfig(source="gsm8k", gsm8k_path=str(tmp_path / "gsm8k")), 0, tmp_path / "out")
+    assert (stats["num_train"], stats["num_validation"]) == (21, 8)  # as the one folder's files
