@@ -4,7 +4,10 @@ mean@n is the average score of all samples; best@n the share of prompts with at 
 sample (pass@n); maj@n the score of the most common final answer (ties: the answer seen first), as
 verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy. The answer is the
 reward's own `pred` where it returns one (math_dapo: "12" from "x = 12, so Answer: 12", as verl votes), else the
-response's `####` answer or last line.
+response's `####` answer, its last `\boxed{}` (MATH) or its last line. verl votes only where the reward gives a
+`pred`; without one, a vote is for an answer and its value together, so that samples with the same answer and
+different scores (the arithmetic task's "#### 61" without its work scores 0) never share a vote and the result
+does not depend on their order.
 
 A sample's value is its `acc` when the reward function returned one (math_dapo's data_sources score -1/+1 with
 acc 0/1), else its score: verl's val-core metrics likewise use `acc` when the reward gives it.
@@ -17,6 +20,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from stages.rewards.gsm8k import extract_solution
+from stages.rewards.math_reward import last_boxed_answer
 
 if TYPE_CHECKING:
     from stages.agent import Rollout
@@ -25,8 +29,11 @@ if TYPE_CHECKING:
 
 
 def final_answer(text: str) -> str:
-    """The answer a response commits to: after '####' when present, else its last line."""
+    """The answer a response commits to: after '####' when present, else its last box's content, else its last
+    line."""
     answer = extract_solution(text, method="strict")
+    if answer is None:
+        answer = last_boxed_answer(text)
     if answer is not None:
         return answer
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -58,9 +65,10 @@ def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str,
 
 
 def _majority_score(group: list[dict]) -> float:
-    answers = [s["pred"] if s.get("pred") is not None else final_answer(s["response"]) for s in group]
-    winner, _ = Counter(answers).most_common(1)[0]
-    return sample_value(group[answers.index(winner)])
+    votes = [s["pred"] if s.get("pred") is not None else (final_answer(s["response"]), sample_value(s))
+             for s in group]
+    winner, _ = Counter(votes).most_common(1)[0]
+    return sample_value(group[votes.index(winner)])
 
 
 def sample_value(sample: dict) -> float:

@@ -50,3 +50,19 @@ def test_majority_votes_on_the_rewards_own_answer():
     for s, pred in zip(samples, ["12", "12", "12", "7", "7"]):
         s["pred"] = pred
     assert group_metrics(samples, 5)["val/acc/maj@5"] == 1.0
+
+
+def test_without_a_pred_answers_that_score_differently_never_share_a_vote():
+    """The arithmetic task: "#### 61" without its work scores 0, with it 1. Both voted "61" and maj@5 was the score
+    of whichever came first (1.0 or 0.0 by order); now (61, 1) and (61, 0) are two votes, the larger one wins."""
+    work, shortcut = "23 + 45 = 68\n68 - 7 = 61\n#### 61", "#### 61"
+    for order in ([work, shortcut, work, work, "#### 5"], [shortcut, work, work, work, "#### 5"]):
+        samples = [_sample(0, "synthetic/arithmetic", float(t == work), t) for t in order]
+        assert group_metrics(samples, 5)["val/acc/maj@5"] == 1.0, order
+
+
+def test_without_a_pred_a_boxed_answer_is_the_vote():
+    """MATH's scorer reads the last box: the vote on last lines split "\\boxed{5}." and "Hence \\boxed{5}." apart."""
+    texts = ["\\boxed{7}", "So\n\\boxed{5}.", "Hence \\boxed{5}.", "We get \\boxed{5}."]
+    samples = [_sample(0, "math", float("{5}" in t), t) for t in texts]
+    assert group_metrics(samples, 4)["val/acc/maj@4"] == 1.0
