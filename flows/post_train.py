@@ -44,6 +44,7 @@ from tasks.stages import (  # noqa: E402
     base_model_task,
     data_prep_task,
     evaluate_task,
+    local_model_path,
     merge_task,
     open_store,
     publish_evals_task,
@@ -101,8 +102,8 @@ def _post_train(cfg: Config, ctx: RunContext) -> dict:
                                      "(killed?): %s", len(crashed), ", ".join(crashed))
         stages = StageLog(cfg, console)
         dataset = stages.run("data-prep", data_prep_task, cfg, ctx)
-        cfg = stages.cfg = counted_rows(cfg, dataset, ctx, console)
         base_model = stages.run("base-model", base_model_task, cfg, dataset, ctx)
+        cfg = stages.cfg = counted_rows(cfg, dataset, base_model, ctx, console)
         models, checkpoint = {"base": base_model}, None
         if cfg.sft.enabled:
             models["sft"] = stages.run("sft", sft_task, cfg, dataset, base_model, ctx)
@@ -119,13 +120,19 @@ def _post_train(cfg: Config, ctx: RunContext) -> dict:
             "report": report}
 
 
-def counted_rows(cfg: Config, dataset: str, ctx: RunContext, console: RunConsole) -> Config:
+def counted_rows(cfg: Config, dataset: str, base_model: str, ctx: RunContext, console: RunConsole) -> Config:
     """What waited for the training rows' count (rl.total_steps from verl's trainer.total_epochs) is set now, and
-    config.yaml is written again with it."""
+    config.yaml is written again with it. The rows are those RL trains on: prompts over data.max_prompt_length
+    (in the model's chat template) left out when data.filter_overlong_prompts, as verl counts its dataloader."""
     if not verl_overrides.pending(cfg):
         return cfg
-    rows = open_store(cfg).manifest(ArtifactRef.parse(dataset)).metadata["stats"]["num_train"]
-    cfg, lines = verl_overrides.resolve_after_data_prep(cfg, rows)
+    from stages.data_prep import load_prompts
+    from stages.model.loading import load_tokenizer
+
+    store = open_store(cfg)
+    tokenizer = load_tokenizer(local_model_path(store, base_model), cfg.model.trust_remote_code)
+    prompts = load_prompts(store.get_dir(ArtifactRef.parse(dataset)) / "train.parquet", tokenizer, cfg.data)
+    cfg, lines = verl_overrides.resolve_after_data_prep(cfg, len(prompts.prompt_ids))
     for line in lines:
         console.line(f"verl: {line}")
     save_config(cfg, ctx)

@@ -352,8 +352,9 @@ ROWS = [
       for key in ("enable", "device_buffer_size_M", "overlap_broadcast_and_consume", "bypass_cpu")),
     # ---- trainer
     via("trainer.total_epochs", "rl.total_steps", verl_async.trainer_total_epochs,
-        "epochs x (training rows // data.train_batch_size), set after data prep counts the rows (verl drops a last "
-        "partial batch too); ignored when total_training_steps is given, as in verl; fully async: a bound beside "
+        "epochs x (training rows // data.train_batch_size), set after data prep counts the rows that RL trains on "
+        "(prompts over data.max_prompt_length left out, as verl's filtered dataloader; verl drops a last partial "
+        "batch too); ignored when total_training_steps is given, as in verl; fully async: a bound beside "
         "rollout.total_rollout_steps"),
     via("trainer.total_training_steps", "rl.total_steps", c.total_training_steps, "null: total_epochs decides"),
     same("trainer.project_name", "tracking.project"),

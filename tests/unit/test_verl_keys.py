@@ -583,3 +583,33 @@ def test_the_readme_table_is_the_table():
 def test_our_own_estimators_are_not_verl_values():
     with pytest.raises(VerlKeyError, match="rl.algorithm.adv_estimator=online_dpo before --verl"):
         translate(None, [], ["algorithm.adv_estimator=online_dpo"])
+
+
+def test_epochs_count_the_prompts_rl_trains_on(tmp_path, tiny_model_dir):
+    """trainer.total_epochs counted data prep's rows, while RL drops prompts over data.max_prompt_length first (as
+    verl's dataloader length does): with most prompts dropped, one epoch ran about four times over the kept ones."""
+    from types import SimpleNamespace
+
+    from flows.post_train import counted_rows
+    from infra.store import ArtifactStore
+    from stages.data_prep import load_prompts, run_data_prep
+    from stages.model.loading import load_tokenizer
+    from tasks.stages import RunContext
+
+    store_root, run_dir = tmp_path / "store", tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(None, translate(None, [f"storage.root={store_root}", "data.max_prompt_length=21",
+                                             "data.synthetic.num_train=64"],
+                                    ["trainer.total_epochs=1", "data.train_batch_size=4",
+                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"]).overrides)
+    run_data_prep(cfg.data, 0, tmp_path / "data")
+    store = ArtifactStore(str(store_root))
+    dataset = str(store.put_dir("dataset", "synthetic", tmp_path / "data"))
+    kept = len(load_prompts(tmp_path / "data" / "train.parquet", load_tokenizer(tiny_model_dir), cfg.data).prompt_ids)
+    assert 4 <= kept < 64  # synthetic prompts are 20-22 tokens: some over 21, some not
+
+    lines = []
+    resolved = counted_rows(cfg, dataset, str(tiny_model_dir), RunContext(run_id="r", run_dir=str(run_dir)),
+                            SimpleNamespace(line=lines.append))
+    assert resolved.rl.total_steps == kept // 4
+    assert lines == [f"verl: trainer.total_epochs=1 -> rl.total_steps={kept // 4}  # {kept} training rows"]
