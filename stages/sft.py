@@ -127,6 +127,11 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
     if steps_per_epoch == 0:
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")
     total_steps = cfg.sft.epochs * steps_per_epoch
+    left = len(train) % cfg.sft.train_batch_size
+    if left:
+        logger.info("sft: each epoch trains %d of %d examples (%d whole batches of sft.train_batch_size=%d; the "
+                    "last %d wait for a later epoch's order, as verl's drop_last)", len(train) - left, len(train),
+                    steps_per_epoch, cfg.sft.train_batch_size, left)
     with _ranks(cfg, str(model_dir), total_steps) as ranks:
         loop = _Loop(cfg, ranks, tracker, checkpoints)
         step = loop.resume()

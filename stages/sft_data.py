@@ -31,14 +31,17 @@ def tokenize_sft(path: Path, tokenizer, cfg: DataConfig) -> list[SFTExample]:
     columns = ["prompt", "response"] + (["turns"] if "turns" in pq.read_schema(path).names else [])
     table = pq.read_table(path, columns=columns).to_pylist()
     examples, num_filtered, num_truncated, num_cut = [], 0, 0, 0
-    for row in table:
+    for i, row in enumerate(table):
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
         if len(prompt) > cfg.max_prompt_length:
             if cfg.filter_overlong_prompts:
                 num_filtered += 1
                 continue
             prompt, num_truncated = _truncate(prompt, cfg), num_truncated + 1
-        response, mask = response_ids(tokenizer, row)
+        try:
+            response, mask = response_ids(tokenizer, row)
+        except ValueError as exc:
+            raise ValueError(f"{path.name} row {i}: {exc}") from None
         if len(response) > cfg.max_response_length:
             response, num_cut = response[: cfg.max_response_length], num_cut + 1
             mask = mask and mask[: cfg.max_response_length]
@@ -71,6 +74,9 @@ def response_ids(tokenizer, row: dict) -> tuple[list[int], list[int] | None]:
             ids, mask, tools = ids + part, mask + [0] * len(part), []
         part = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids, mask = ids + part, mask + [1] * len(part)
+    if tools:  # nothing would train on their results; a row cut short
+        raise ValueError(f"its turns end with {len(tools)} tool message(s): the last turn must be the assistant's "
+                         "answer")
     return ids, mask
 
 

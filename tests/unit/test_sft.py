@@ -253,3 +253,19 @@ def test_truncated_prompts_are_counted_in_the_warning(tiny_config, tiny_data_dir
         examples = tokenize_sft(tiny_data_dir / "sft_train.parquet", tokenizer, data)
     assert all(e.num_prompt_tokens == 4 for e in examples)
     assert f"{len(examples)} truncated (data.truncation=right)" in caplog.text
+
+
+def test_a_multi_turn_row_ending_with_a_tool_message_is_refused_naming_it(tiny_config, tiny_model_dir, tmp_path):
+    """The pending tool messages after the last assistant turn were never added: the row trained as if they were not
+    there, silently."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    good = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "4"},
+            {"role": "assistant", "content": "#### 4"}]
+    rows = [{"prompt": prompt, "response": "#### 4", "turns": turns} for turns in (good, good[:2])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft_train.parquet")
+    with pytest.raises(ValueError, match=r"^sft_train\.parquet row 1: its turns end with 1 tool message\(s\): the "
+                                         r"last turn must be the assistant's answer$"):
+        tokenize_sft(tmp_path / "sft_train.parquet", load_tokenizer(tiny_model_dir), tiny_config.data)
