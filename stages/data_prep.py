@@ -89,6 +89,17 @@ def _warn_bare_sft_targets(train: list) -> None:
             bare, len(train))
 
 
+def _warn_validation_in_train(train: list, validation: list) -> None:
+    """Held-out rows whose prompt is also a training prompt (a file with duplicate rows split at random) measure
+    memorisation, not generalisation: counted and said."""
+    seen = {json.dumps(e.prompt, sort_keys=True) for e in train}
+    shared = sum(json.dumps(e.prompt, sort_keys=True) in seen for e in validation)
+    if shared:
+        logger.warning("data prep: %d of %d validation prompts are also training prompts (duplicate rows in the "
+                       "data?): held-out accuracy on them is not held out. Remove the duplicates, or split the "
+                       "files by name (train/test)", shared, len(validation))
+
+
 def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     """Build the dataset of `cfg.source` and write the RL and SFT splits plus stats.json to `out_dir`."""
     splits = RECIPES[cfg.source](cfg, seed)
@@ -98,6 +109,7 @@ def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
         if not rows:
             raise ValueError(f"data.source={cfg.source}: the {name} split is empty; check the input or its bad rows")
     _warn_bare_sft_targets(train)
+    _warn_validation_in_train(train, validation)
     rl_train, rl_validation = with_interaction(train, cfg.interaction), with_interaction(validation, cfg.interaction)
     schema = rl_schema(rl_train + rl_validation)
     tables = {

@@ -590,3 +590,19 @@ def test_a_gsm8k_hub_snapshot_reads_its_main_config_only(tmp_path):
         shutil.copy(SAMPLES / "gsm8k_test_sample.jsonl", tmp_path / "gsm8k" / config / "test.jsonl")
     stats = run_data_prep(DataConfig(source="gsm8k", gsm8k_path=str(tmp_path / "gsm8k")), 0, tmp_path / "out")
     assert (stats["num_train"], stats["num_validation"]) == (21, 8)  # as the one folder's files
+
+
+def test_validation_prompts_that_are_also_training_prompts_are_counted(tmp_path, caplog):
+    """A file with each question 4 times, split at random: nearly every held-out prompt was also trained on, and
+    nothing said so."""
+    questions = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(10)]
+    data = write_jsonl(tmp_path / "dup.jsonl", questions * 4)
+    stats = run_data_prep(DataConfig(source="file", path=str(data), validation_fraction=0.25), 0, tmp_path / "out")
+    held_out = {r["prompt"][0]["content"] for r in rows(tmp_path / "out" / "validation.parquet")}
+    trained = {r["prompt"][0]["content"] for r in rows(tmp_path / "out" / "train.parquet")}
+    shared = sum(r["prompt"][0]["content"] in trained for r in rows(tmp_path / "out" / "validation.parquet"))
+    assert held_out & trained and shared > 0
+    assert f"{shared} of {stats['num_validation']} validation prompts are also training prompts" in caplog.text
+    caplog.clear()
+    run_data_prep(DataConfig(source="synthetic"), 0, tmp_path / "synthetic")  # disjoint by construction
+    assert "also training prompts" not in caplog.text
