@@ -128,6 +128,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+_LORA_PART = re.compile(r"\.(base_layer|lora_[AB]\.default)\.")  # peft's parts of one wrapped module
 
 
 def iter_hf_weights(module: nn.Module, lora_scale: float | None,
@@ -141,9 +142,9 @@ def iter_hf_weights(module: nn.Module, lora_scale: float | None,
     `dtype` tensors, as the weight pushes to rollout workers on other GPUs always sent."""
     state = module.state_dict()  # DTensor shards (no copy)
     buckets: dict[str, list[str]] = {}
-    for key in state:
+    for key in state:  # one bucket per decoder layer, else per module: a LoRA-wrapped lm_head's parts together
         match = _LAYER.search(key)
-        buckets.setdefault(f"layer{match.group(1)}" if match else key, []).append(key)
+        buckets.setdefault(f"layer{match.group(1)}" if match else _LORA_PART.sub(".", key), []).append(key)
     early = dtype if lora_scale is None else None
     for keys in buckets.values():
         full = gather_full({k: _cast(state[k], early) for k in keys})

@@ -70,3 +70,22 @@ def test_lora_on_lm_head_is_trained_through_its_adapter():
 def test_packed_rows_refuse_an_output_layer_they_cannot_compute():
     with pytest.raises(ValueError, match="use_remove_padding=false"):
         TokenLogprobs(model_of(CASES["gemma2 soft-caps"]), pack=True)
+
+
+def test_the_weight_sync_merges_lora_on_an_untied_lm_head():
+    """The sync gathers the weights in buckets, one per decoder layer and else one per key: lm_head's base weight
+    and its two adapters came in three buckets, and merging the first raised KeyError at the first weight sync
+    (training and the merge stage, which read the whole state dict, worked)."""
+    from stages.model.fsdp import hf_weights, init_process_group, iter_hf_weights, shard
+
+    init_process_group()  # a world of one rank
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    peft = get_peft_model(model_of(Qwen2Config(**SMALL, tie_word_embeddings=False)), config)
+    head = peft.get_base_model().lm_head
+    merged = (head.base_layer.weight + 2.0 * head.lora_B["default"].weight @ head.lora_A["default"].weight).detach()
+    want = hf_weights({k: v.detach().clone() for k, v in TokenLogprobs(peft).state_dict().items()}, 8 / 4)
+    synced = dict(iter_hf_weights(shard(TokenLogprobs(peft)), 8 / 4))
+    assert list(synced) == list(want) and "lm_head.weight" in synced
+    for name, value in want.items():
+        torch.testing.assert_close(synced[name], value, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(synced["lm_head.weight"], merged, rtol=1e-6, atol=1e-6)  # W + alpha / r * B @ A
