@@ -33,23 +33,37 @@ class MemoryPeaks:
         self.cuda = device.type == "cuda"
         self.scope = scope
         self.peaks: dict[str, float] = {}
+        self.open: list[str] = []  # the phases running now, outermost first (sync runs the check's gen inside it)
+        self.reserved = 0.0  # the largest reserved bytes (GB) since the last metrics, across the counters' resets
 
     @contextmanager
     def phase(self, name: str):
+        """Each phase's peak, a phase that runs inside another's counting in both: the device's peak counters
+        are reset as a phase starts, so what the open phases reached is folded into them first."""
         if self.cuda:
+            self._fold()
             torch.cuda.reset_peak_memory_stats()
+        self.open.append(name)
         try:
             yield
         finally:
             if self.cuda:
-                self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / GB)
+                self._fold()
+            self.open.pop()
+
+    def _fold(self) -> None:
+        allocated = torch.cuda.max_memory_allocated() / GB
+        for name in self.open:
+            self.peaks[name] = max(self.peaks.get(name, 0.0), allocated)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved() / GB)
 
     def metrics(self) -> dict[str, float]:
         perf = f"perf{self.scope}"
         values = {f"{perf}/max_memory_allocated_gb/{k}": v for k, v in sorted(self.peaks.items())}
         if self.cuda:
             values[f"{perf}/max_memory_allocated_gb"] = max(self.peaks.values(), default=0.0)
-            values[f"{perf}/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+            values[f"{perf}/max_memory_reserved_gb"] = max(self.reserved, torch.cuda.max_memory_reserved() / GB)
+            self.reserved = 0.0
             values[f"{perf}/num_alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
         values[f"{perf}/cpu_memory_used_gb"] = _resident_bytes() / GB
         values[f"{perf}/compiled_graphs"] = float(compiled_graphs())

@@ -70,3 +70,45 @@ def test_cuda_metrics_give_the_phase_peaks_and_the_allocator_retries():
     metrics = memory.metrics()
     assert metrics["perf/max_memory_allocated_gb"] >= metrics["perf/max_memory_allocated_gb/gen"] >= 1.0
     assert metrics["perf/num_alloc_retries"] == torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+class FakeAllocator:
+    """torch.cuda's peak counters over a hand-driven allocation: `use(gb)` allocates (reserving as it goes, never
+    releasing), `free(gb)` frees."""
+
+    def __init__(self, monkeypatch):
+        self.now = self.peak = self.reserved = self.reserved_peak = 0.0
+        gb = 1024**3
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: self.peak * gb)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: self.reserved_peak * gb)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+
+    def reset(self):
+        self.peak, self.reserved_peak = self.now, self.reserved
+
+    def use(self, gb: float):
+        self.now += gb
+        self.peak, self.reserved = max(self.peak, self.now), max(self.reserved, self.now)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+
+    def free(self, gb: float, release: bool = False):
+        self.now -= gb
+        if release:  # empty_cache
+            self.reserved = self.now
+
+
+def test_a_phase_inside_another_counts_in_both_and_reserved_is_the_steps_peak(monkeypatch):
+    """The weight sync runs the engine check's generation (a phase) inside it: entering it reset the counters, so
+    sync reported only the check's 1 GiB, not its own 4; reserved reported the peak since the last phase began."""
+    memory, device = MemoryPeaks(torch.device("cuda")), FakeAllocator(monkeypatch)
+    with memory.phase("update_actor"):
+        device.use(8)
+        device.free(8, release=True)  # empty_cache after the update
+    with memory.phase("sync"):
+        device.use(4)
+        device.free(4)
+        with memory.phase("gen"):
+            device.use(1)
+            device.free(1)
+    assert memory.peaks == {"update_actor": 8.0, "sync": 4.0, "gen": 1.0}
+    assert memory.reserved == 8.0
