@@ -174,12 +174,15 @@ PACKED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")  # attention throu
 
 def packing_unsupported(config) -> str | None:
     """Why packed rows would not compute this model exactly (None: they do): attention must go through
-    transformers' attention interface (the packed implementation sees every layer) and never slide."""
+    transformers' attention interface (the packed implementation sees every layer), never slide and drop
+    nothing (attention_dropout 0: Qwen2's and Llama's default)."""
     if config.model_type not in PACKED_MODEL_TYPES:
         return f"model_type={config.model_type!r} (packed: {', '.join(PACKED_MODEL_TYPES)})"
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
                                                                                or ()):
         return "sliding-window attention"
+    if getattr(config, "attention_dropout", 0.0):  # the packed kernels apply none
+        return f"attention_dropout={config.attention_dropout}"
     return None
 
 

@@ -40,3 +40,5 @@ def test_fast_paths_name_what_they_cannot_compute():
     assert unsupported(windowed).startswith("model_type='mistral'")
     assert packing_unsupported(windowed).startswith("model_type='mistral'")
     assert unsupported(Qwen3Config(**SMALL, use_sliding_window=True)) == "sliding-window attention"
+    # the packed kernels drop nothing, while the padded path applies the config's attention dropout in training
+    assert packing_unsupported(Qwen3Config(**SMALL, attention_dropout=0.1)) == "attention_dropout=0.1"
