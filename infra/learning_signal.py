@@ -64,8 +64,8 @@ class NoSignalMonitor:
     @classmethod
     def for_config(cls, rl: RLConfig) -> tuple[NoSignalMonitor, str | None]:
         """The RL stage's monitor, off for estimators that do not compare a group's samples (their advantages need
-        not be 0 when a group's rewards are equal: the warning would be false), and a note for the log when such
-        an estimator gets groups of one sample."""
+        not be 0 when a group's rewards are equal: the warning would be false), and a note for the log when a
+        group-relative estimator gets groups of one sample."""
         estimator = rl.algorithm.adv_estimator
         monitor = cls.create(rl.no_signal_frac, rl.no_signal_steps if estimator.group_relative else 0)
         if estimator.group_relative and rl.rollout.n == 1:
