@@ -191,6 +191,10 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
     args = [a for a in argv if a not in flags]
     split = args.index("--verl") if "--verl" in args else len(args)
     args, verl = args[:split], args[split + 1:]
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:  # a misspelt option read as a recipe said "recipe '--hlep' not found"
+        raise ConfigError(f"{unknown[0]}: not an option of this command; its options are --verl, --refresh-cache, "
+                          "--verbose and --help, and an override is key=value")
     recipe = args[0] if args and "=" not in args[0] else None
     overrides = (args[1:] if recipe else args) + (["tracking.console=verbose"] if "--verbose" in argv else [])
     return recipe, overrides, verl
@@ -303,8 +307,8 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    recipe, overrides, verl = parse_args(argv)
     try:
+        recipe, overrides, verl = parse_args(argv)
         check_verl_keys_placed(argv, overrides)
         if verl:
             translation = verl_overrides.translate(recipe, overrides, verl)

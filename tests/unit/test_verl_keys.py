@@ -613,3 +613,11 @@ def test_epochs_count_the_prompts_rl_trains_on(tmp_path, tiny_model_dir):
                             SimpleNamespace(line=lines.append))
     assert resolved.rl.total_steps == kept // 4
     assert lines == [f"verl: trainer.total_epochs=1 -> rl.total_steps={kept // 4}  # {kept} training rows"]
+
+
+@pytest.mark.parametrize("argv, option", [(["--hlep"], "--hlep"), (["recipes/demo.yaml", "--refresh"], "--refresh"),
+                                          (["-v", "sft.epochs=1"], "-v")])
+def test_an_unknown_option_is_named(argv, option):
+    """A misspelt option was taken for the recipe ("recipe '--hlep' not found") or for an override."""
+    with pytest.raises(ConfigError, match=rf"^{option}: not an option of this command; its options are --verl"):
+        parse_args(argv)
