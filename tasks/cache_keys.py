@@ -203,11 +203,12 @@ def merge_sections(cfg: Config) -> tuple:
 
 def eval_sections(cfg: Config) -> tuple:
     """What evaluation results depend on: the engine as resolved here (auto -> vllm or hf), the prompt
-    and response lengths, dtype, the reward function (its file's content too) and the sampling seed."""
+    and response lengths, dtype, the reward function (its file's content too), the sampling seed and the number of
+    eval workers (each samples its own share of the prompts with the run's seed, so the shares decide the samples)."""
     from stages.evaluate import resolve_engine
 
     ev, reward = cfg.evaluate, cfg.rl.reward
     return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
             cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
             reward.custom_path, reward.custom_function, reward.math_scorer, str(reward.timeout_s), str(cfg.run.seed),
-            content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
+            str(cfg.ray.num_devices_per_node * cfg.ray.num_nodes), content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))

@@ -211,3 +211,14 @@ def test_the_saved_config_with_the_decided_automatic_settings_keeps_the_keys(tmp
             cache_keys.stage_hash(base, cache_keys.rl_sections, [])
     sft = cache_keys.stage_hash(base, cache_keys.sft_sections, [])
     assert cache_keys.stage_hash(load_config(None, ["sft.offload=true"]), cache_keys.sft_sections, []) == sft
+
+
+def test_the_number_of_eval_workers_is_part_of_the_eval_key(tmp_path):
+    """Each eval worker samples its share of the prompts with the run's seed: other shares, other samples."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    one = keys(load_config(None, [f"model.path={model}"]), str(model))
+    two = keys(load_config(None, [f"model.path={model}", "ray.num_devices_per_node=2"]), str(model))
+    assert one["eval"] != two["eval"]
+    assert one["data"] == two["data"] and one["base"] == two["base"]
