@@ -83,15 +83,16 @@ def run_rl(cfg: Config, model_dir: str, data_dir: Path, checkpoints: RLCheckpoin
            tracker: Tracker) -> RLResult:
     """Train with RL from `model_dir` on `data_dir`/{train,validation}.parquet; -> the final checkpoint's ref."""
     started_ray = init_ray(cfg.ray)
-    trainer = None
+    trainer, finished = None, False
     try:
         with driver_threads():
             trainer = RLTrainer(cfg, model_dir, data_dir, checkpoints, tables, tracker)
             metrics = trainer.fit()
+            finished = True
     finally:
         try:
             if trainer:
-                trainer.close()
+                trainer.close(finished)
         finally:
             if started_ray:
                 import ray
@@ -381,11 +382,11 @@ class RLTrainer:
         # a console line (and run.log's): a rerun that starts over where the user expected a resume is worth seeing
         LINES.info("rl: resumed at step %d from %s (%d partial trajectory files removed)", self.step, path, removed)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         """Stop the producer and the reward pool; the workers are released even when one of those fails."""
         try:
             if self.schedule:
-                self.schedule.close()
+                self.schedule.close(finished)
             self.gen.close()
         finally:
             self._release_workers()

@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 EngineFn = Callable[[list[list[int]], SamplingParams], list[RolloutOutput]]
 
 
+LEAVE_TIMEOUT_S = 30.0  # the longest the end of a finished run waits for the weight group's last broadcast
+
+
 class RolloutFailed(RuntimeError):
     """The rollout workers stopped producing groups (a worker died, raised, or stalled)."""
 
@@ -436,8 +439,20 @@ class AsyncSchedule:
     def state(self) -> dict[str, int]:
         return {"async_next_group": self.rollout.next_group}
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Stop the producer; after a run that `finished`, every end of the weight group also leaves it (the
+        workers are killed next: a trainer leaving first made the rollout workers' NCCL watchdog report its store
+        gone). After a failure the group may be mid-push, so it is left to the kill."""
         self.rollout.close()
+        if not finished:
+            return
+        t = self.trainer
+        try:
+            t.actor.get_all([h.close_weight_group.remote() for h in t.actor.handles + t.engines.handles],
+                            min(LEAVE_TIMEOUT_S, self.rollout.timeout_s))
+            logger.info("rl: the trainer and the rollout workers left the weight group")
+        except (TimeoutError, *ray_errors()) as exc:
+            logger.warning("rl: the weight group was not left cleanly (%s); the workers are stopped anyway", exc)
 
 
 def ray_errors() -> tuple[type[BaseException], ...]:

@@ -325,6 +325,12 @@ class ActorRolloutWorker:
         if self.rank == 0:
             self.weights = WeightGroup(addr, port, 0, size, self.device, self.rl.async_training.rollout_timeout_s)
 
+    def close_weight_group(self) -> None:
+        """Rank 0 leaves the broadcast group (with every rollout worker: `WeightGroup.close` is collective)."""
+        if self.weights is not None:
+            self.weights.close()
+            self.weights = None
+
     def _pushed_weights(self):
         """The weights a push sends: HF names, LoRA merged, floating tensors in the forward's dtype (model.dtype:
         the engines compute in it, so sending fp32 master weights would only double the bytes)."""

@@ -46,6 +46,12 @@ class RolloutWorker:
         self.weights = WeightGroup(addr, port, 1 + self.rank, size, self.device,
                                    self.cfg.rl.async_training.rollout_timeout_s)
 
+    def close_weight_group(self) -> None:
+        """Leave the broadcast group (with the trainer's rank 0 and the other rollout workers: collective)."""
+        if self.weights is not None:
+            self.weights.close()
+            self.weights = None
+
     @measured("receive")
     def receive_weights(self, meta: WeightMeta) -> float:
         """Load the trainer's pushed weights into the engine as they arrive; -> seconds taken."""

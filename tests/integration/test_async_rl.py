@@ -93,6 +93,7 @@ def test_one_step_off_policy_trains_on_batches_one_version_old(tiny_data_dir, ti
     with caplog.at_level(logging.INFO, logger="stages.rl_async"):
         run(tiny_data_dir, tiny_model_dir, tmp_path, *SEPARATE, "rl.async_training.mode=one_step_off")
     assert NO_CORRECTION in caplog.text  # the start line suggests the correction for stale samples
+    assert "left the weight group" in caplog.text  # the finished run closed the push group before the kill
     rows = query(str(tmp_path), "SELECT step, min(staleness) AS lo, max(staleness) AS hi, "
                  "min(policy_version) AS v FROM rollouts GROUP BY 1 ORDER BY 1")
     # step 1's batch was made by version 0 and trains version 0; step s's by version s-2 while step s-1 trained
