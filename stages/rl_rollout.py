@@ -49,7 +49,7 @@ class RolloutDriver:
         self.cfg, self.rl = cfg, cfg.rl
         self.tokenizer, self.train, self.engines, self.reward_model = tokenizer, train, engines, reward_model
         self.sampler = PromptSampler(len(train), self.rl.train_batch_size, cfg.run.seed)
-        self.rewards = RewardPool(self.rl.reward)
+        self.rewards = RewardPool(self.rl.reward, min_judged=self.rl.train_batch_size * self.rl.rollout.n)
         self.prefix_router = prefix_router(cfg, engines.world_size // self.rl.rollout.tensor_model_parallel_size)
         self.versioned_generate: Generate | None = None
         self.rollout = Rollout(self._rollout_generate, tokenizer, self.rewards, tools, self.rl.multi_turn,

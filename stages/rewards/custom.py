@@ -27,14 +27,14 @@ def load_reward_fn(path: str, name: str) -> Callable:
 
 
 def _check_signature(fn: Callable, where: str) -> None:
-    """The function must take the four arguments both positionally and by these names (verl passes keywords)."""
+    """The function must take the four arguments by these names: verl and the reward pool pass keywords, so
+    keyword-only arguments and `**kwargs` are fine."""
     signature = inspect.signature(fn)
     try:
-        signature.bind(*ARGS)
         signature.bind(**dict.fromkeys(ARGS))
     except TypeError as exc:
         raise ValueError(
-            f"custom reward {where}{signature} cannot be called as f(data_source, solution_str, ground_truth, "
-            f"extra_info) ({exc}); define it as def {fn.__name__}(data_source, solution_str, ground_truth, "
+            f"custom reward {where}{signature} cannot be called as f(data_source=..., solution_str=..., "
+            f"ground_truth=..., extra_info=...) ({exc}); define it as def {fn.__name__}(data_source, solution_str, ground_truth, "
             "extra_info=None)"
         ) from None

@@ -124,8 +124,12 @@ def _stop_all(workers: list[_Worker]) -> None:
 class RewardPool:
     """Score `RewardRequest`s in `cfg.num_workers` processes with a per-sample timeout of `cfg.timeout_s`."""
 
-    def __init__(self, cfg: RewardConfig) -> None:
+    def __init__(self, cfg: RewardConfig, min_judged: int = 1) -> None:
+        """`min_judged`: the fewest samples `max_failed_frac` is judged on. A smaller call (an asynchronous
+        producer's chunk, a DAPO top-up) is judged with the samples before it, so that one bad prompt's group does
+        not reach the fraction alone (RL passes one step's samples)."""
         self.cfg = cfg
+        self._recent_failed: deque[bool] = deque(maxlen=max(1, min_judged))  # of the last min_judged samples
         self._custom_path = None
         if cfg.custom_path is not None:
             load_reward_fn(cfg.custom_path, cfg.custom_function)  # ValueError here, not in a worker
@@ -310,22 +314,37 @@ class RewardPool:
         """One warning per batch with failed samples (not one per sample), naming the first (the first that raised,
         with its traceback); the configured action when (almost) all of them failed."""
         failed = [(r, e, t) for r, e, t in zip(requests, errors, tracebacks) if e is not None]
+        self._recent_failed.extend(e is not None for e in errors)
         if not failed:
             return
         request, error, trace = next((f for f in failed if f[2]), failed[0])
         snippet = request.solution_str[:SNIPPET_CHARS] + ("..." if len(request.solution_str) > SNIPPET_CHARS else "")
         text = (f"the reward failed on {len(failed)} of {len(requests)} samples (scored 0); the first, a "
                 f"{request.data_source!r} sample: {error}; solution: {snippet!r}")
-        if len(failed) < self.cfg.max_failed_frac * len(requests):
+        judged = self._judged(len(failed), len(requests))
+        if judged and judged != (len(failed), len(requests)):  # judged with the samples before this call
+            text += f" ({judged[0]} of the last {judged[1]} samples)"
+        if not judged or judged[0] < self.cfg.max_failed_frac * judged[1]:
             logger.warning(text + self._traceback_once(trace))
         elif self.cfg.on_failure == "error":
-            raise RewardFailedError(f"{text}. Fix the reward function (rl.reward.custom_path / custom_function), or "
-                                    "set rl.reward.on_failure=warn to go on scoring failures as 0"
+            timeouts = sum(e.startswith("timeout") for _, e, _ in failed)
+            slow = (f", or raise rl.reward.timeout_s (now {self.cfg.timeout_s:g} s) if it is only slow"
+                    if timeouts * 2 >= len(failed) else "")
+            raise RewardFailedError(f"{text}. Fix the reward function (rl.reward.custom_path / custom_function){slow}, "
+                                    "or set rl.reward.on_failure=warn to go on scoring failures as 0"
                                     + (" (its traceback is above)" if trace else "")
                                     ) from (ScorerTraceback(trace) if trace else None)
         else:
             logger.warning("%s. rl.reward.max_failed_frac=%g reached; going on (rl.reward.on_failure=warn)%s", text,
                            self.cfg.max_failed_frac, self._traceback_once(trace))
+
+    def _judged(self, failed: int, total: int) -> tuple[int, int] | None:
+        """(failed, samples) that max_failed_frac is judged on: this call's, or the last `min_judged` samples' when
+        this call has fewer; None before that many have been scored."""
+        window = self._recent_failed
+        if total >= window.maxlen:
+            return failed, total
+        return (sum(window), len(window)) if len(window) == window.maxlen else None
 
     def _traceback_once(self, trace: str | None) -> str:
         """The scorer's traceback for a warning, the first time its error is met at its line; after that a pointer."""

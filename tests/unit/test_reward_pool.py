@@ -273,6 +273,32 @@ def test_a_reward_that_fails_on_almost_every_sample_stops_the_run(tmp_path):
         pool.score([RewardRequest("mine", "a", "a", None)] * 10)
 
 
+def test_a_small_call_is_judged_with_the_samples_before_it(tmp_path, caplog):
+    """An async producer's chunk of one bad prompt's 8 samples, inside a step of 64: one warning, not the error
+    (scored in one call, the same 8 of 64 only warn); a broken reward still stops the run once a step's worth of
+    samples has been scored."""
+    cfg = RewardConfig(custom_path=_write(tmp_path, BAD_SCORERS), num_workers=1, max_failed_frac=0.9)
+    good, bad = RewardRequest("ok", "1", "1", None), RewardRequest("raise", "1", "1", None)
+    with RewardPool(cfg, min_judged=64) as pool, caplog.at_level(logging.WARNING, logger="stages.rewards.pool"):
+        assert pool.score([bad] * 8).scores == [0.0] * 8  # 8 of 8 failed, but 8 < 64 judged: a warning
+        assert "failed on 8 of 8 samples" in caplog.text
+        for _ in range(7):
+            pool.score([good] * 8)
+        pool.score([bad] * 8)  # 8 of the last 64 failed (the first 8 have left the window)
+        for _ in range(6):
+            pool.score([bad] * 8)  # up to 56 of the last 64 failed (0.875 < 0.9): warnings
+        with pytest.raises(RewardFailedError, match=r"failed on 8 of 8 samples .*\(64 of the last 64 samples\)"):
+            pool.score([bad] * 8)  # 64 of the last 64
+    with RewardPool(cfg) as pool, pytest.raises(RewardFailedError):
+        pool.score([bad] * 8)  # judged on its own (evaluation's single call)
+
+
+def test_a_reward_that_times_out_everywhere_names_the_timeout(tmp_path):
+    cfg = RewardConfig(custom_path=_write(tmp_path, BAD_SCORERS), num_workers=1, timeout_s=TIMEOUT_S)
+    with RewardPool(cfg) as pool, pytest.raises(RewardFailedError, match=r"raise rl.reward.timeout_s \(now 0.5 s\)"):
+        pool.score([RewardRequest("sleep", "1", "1", None)])
+
+
 def test_on_failure_warn_scores_zero_and_says_so(tmp_path, caplog):
     cfg = RewardConfig(custom_path=_write(tmp_path, ALWAYS_FAILS), num_workers=1, on_failure="warn")
     with RewardPool(cfg) as pool, caplog.at_level(logging.WARNING, logger="stages.rewards.pool"):

@@ -257,13 +257,19 @@ def test_custom_loader(tmp_path):
         "    return {'score': float(solution_str.strip() == ground_truth), 'len': len(solution_str)}\n"
         "def bad(solution_str, ground_truth):\n"
         "    return 0.0\n"
+        "def keyword_only(*, data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0\n"
+        "def with_kwargs(data_source, solution_str, ground_truth, **kwargs):\n"
+        "    return 1.0\n"
     )
     fn = load_reward_fn(str(path), "score")
     assert fn("x", "42", "42", None) == {"score": 1.0, "len": 2}
     assert fn(data_source="x", solution_str="41", ground_truth="42", extra_info={})["score"] == 0.0
-    with pytest.raises(ValueError, match=r"has no function 'scroe'; its functions: \['bad', 'score'\]"):
+    with pytest.raises(ValueError, match=r"has no function 'scroe'; its functions: \['bad', 'keyword_only', 'score', 'with_kwargs'\]"):
         load_reward_fn(str(path), "scroe")
-    with pytest.raises(ValueError, match=r"cannot be called as f\(data_source, solution_str, ground_truth"):
+    with pytest.raises(ValueError, match=r"cannot be called as f\(data_source=..., solution_str=..., ground_truth"):
         load_reward_fn(str(path), "bad")
+    for name in ("keyword_only", "with_kwargs"):  # verl calls by keyword: both forms work there
+        assert load_reward_fn(str(path), name)(data_source="x", solution_str="1", ground_truth="1", extra_info=None)
     with pytest.raises(ValueError, match="not found"):
         load_reward_fn(str(tmp_path / "missing.py"), "score")
