@@ -95,6 +95,15 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> Config:
+        """Checked here, not at the first scoring after SFT and the engines' start (verl asserts it at start too)."""
+        buffer, longest = self.rl.reward.overlong_buffer, self.data.max_response_length
+        if self.rl.enabled and buffer > longest:
+            raise ValueError(f"rl.reward.overlong_buffer={buffer} is longer than the response, "
+                             f"data.max_response_length={longest}: lower it (DAPO's paper: a quarter of the length)")
+        return self
+
+    @model_validator(mode="after")
     def _workers_share_mini_batches(self) -> Config:
         """Every worker trains on an equal share of every mini-batch (so the loss is the same at any N)."""
         ray, actor = self.ray, self.rl.actor

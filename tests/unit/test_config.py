@@ -49,6 +49,14 @@ def test_float16_training_is_refused_naming_bfloat16():
     assert load_config(None, ["model.dtype=float16", "sft.enabled=false", "rl.enabled=false"]).model.dtype == "float16"
 
 
+def test_an_overlong_buffer_longer_than_the_response_is_refused_at_load():
+    """Not at the first scoring, after data prep, SFT and the engines' start."""
+    with pytest.raises(ConfigError, match=r"rl\.reward\.overlong_buffer=100000 is longer than the response, "
+                                          r"data\.max_response_length=48"):
+        load_config("recipes/demo.yaml", ["rl.reward.overlong_buffer=100000"])
+    assert load_config("recipes/demo.yaml", ["rl.reward.overlong_buffer=48"]).rl.reward.overlong_buffer == 48
+
+
 def test_negative_learning_rate_is_an_error_naming_the_field():
     with pytest.raises(ConfigError, match=r"sft\.optim\.lr = -0\.001: Input should be greater than 0"):
         load_config(None, ["sft.optim.lr=-0.001"])
