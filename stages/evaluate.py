@@ -11,8 +11,8 @@ N workers (`ray.num_devices_per_node * ray.num_nodes`) each generates a contiguo
 Metrics, per data_source and over all of them (`all`): greedy `acc`, the mean of each response's `acc` where the
 reward returns one, else of its score (as verl's validation: for 0/1 scorers, the share right; a reward of -1/+1
 or with bonuses gives a mean score, not a share);
-with `evaluate.n > 1`, n samples per prompt at `evaluate.temperature` add mean@n, best@n (pass@n) and
-maj@n (stages/validation.py). Scores come from the RL stage's reward functions (`rl.reward`: the
+with `evaluate.n > 1`, n samples per prompt at `evaluate.temperature` add mean@n, best@n (pass@n),
+worst@n and maj@n (stages/validation.py). Scores come from the RL stage's reward functions (`rl.reward`: the
 data_source scorers or the custom function) in the same process pool with per-sample timeouts.
 
 The `evals` table (infra/trajectories.py, partition `run_id` = the flow run, `label` = the model's label:
@@ -23,7 +23,7 @@ base, sft, rl), one row per (data_source, metric) in long format, like `metrics`
     dataset VARCHAR      the dataset artifact; split VARCHAR: 'validation'
     engine VARCHAR       vllm, cuda or hf
     data_source VARCHAR  a data_source of the split, or 'all'
-    metric VARCHAR       acc, mean@n, best@n, maj@n
+    metric VARCHAR       acc, mean@n, best@n, worst@n, maj@n
     value DOUBLE         in [0, 1]
     num_prompts BIGINT   prompts evaluated for that data_source
 """
@@ -216,7 +216,8 @@ def score_table(greedy: list[dict], sampled: list[dict], n: int) -> tuple[dict[s
         if sampled:
             mine = [s for s in sampled if src == ALL or s["data_source"] == src]
             metrics = group_metrics(mine, n, prefix="eval")
-            scores[src].update({name: metrics[f"eval/acc/{name}"] for name in (f"mean@{n}", f"best@{n}", f"maj@{n}")})
+            names = (f"mean@{n}", f"best@{n}", f"worst@{n}", f"maj@{n}")
+            scores[src].update({name: metrics[f"eval/acc/{name}"] for name in names})
     return scores, counts
 
 

@@ -1,7 +1,7 @@
-"""Validation metrics over n samples per prompt, per data_source: mean@n, best@n and maj@n.
+"""Validation metrics over n samples per prompt, per data_source: mean@n, best@n, worst@n and maj@n.
 
 mean@n is the average score of all samples; best@n the share of prompts with at least one correct
-sample (pass@n); maj@n the score of the most common final answer (ties: the answer seen first), as
+sample (pass@n); worst@n the share with every sample correct; maj@n the score of the most common final answer (ties: the answer seen first), as
 verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy. The answer is the
 reward's own `pred` where it returns one (math_dapo: "12" from "x = 12, so Answer: 12", as verl votes), else the
 response's `####` answer, its last `\boxed{}` (MATH) or its last line. verl votes only where the reward gives a
@@ -52,6 +52,7 @@ def group_metrics(samples: list[dict], n: int, prefix: str = "val") -> dict[str,
         stats = per_source[group[0]["data_source"]]
         stats[f"mean@{n}"].append(sum(scores) / len(scores))
         stats[f"best@{n}"].append(max(scores))
+        stats[f"worst@{n}"].append(min(scores))
         stats[f"maj@{n}"].append(_majority_score(group))
     metrics: dict[str, float] = {}
     totals: dict[str, list[float]] = defaultdict(list)

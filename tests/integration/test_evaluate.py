@@ -112,10 +112,11 @@ def test_sampling_adds_mean_best_maj_per_data_source(vllm_result):
     assert set(vllm_result.scores) == {source, ALL}
     assert vllm_result.num_prompts == {source: NUM_PROMPTS, ALL: NUM_PROMPTS}
     metrics = vllm_result.scores[source]
-    assert set(metrics) == {"acc", f"mean@{N}", f"best@{N}", f"maj@{N}"}
+    assert set(metrics) == {"acc", f"mean@{N}", f"best@{N}", f"worst@{N}", f"maj@{N}"}
     by_prompt = [[s["score"] for s in sampled if s["prompt_index"] == i] for i in range(NUM_PROMPTS)]
     assert metrics[f"mean@{N}"] == pytest.approx(sum(map(sum, by_prompt)) / (NUM_PROMPTS * N))
     assert metrics[f"best@{N}"] == pytest.approx(sum(map(max, by_prompt)) / NUM_PROMPTS)
+    assert metrics[f"worst@{N}"] == pytest.approx(sum(map(min, by_prompt)) / NUM_PROMPTS)
     assert metrics[f"mean@{N}"] <= metrics[f"best@{N}"] and 0 <= metrics[f"maj@{N}"] <= metrics[f"best@{N}"]
     assert len({tuple(scores) for scores in by_prompt}) > 1  # samples differ: the sampled metrics say something
 

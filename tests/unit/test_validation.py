@@ -23,6 +23,7 @@ def test_acc_replaces_a_plus_minus_one_score():
     m = group_metrics(samples, 3)
     assert m["val/math/acc/mean@3"] == pytest.approx(1 / 3)  # (1 + 0 + 0) / 3, not (1 - 1 - 1) / 3
     assert m["val/math/acc/best@3"] == 1.0
+    assert m["val/math/acc/worst@3"] == 0.0 and m["val/acc/worst@3"] == 0.0  # no prompt has all three right
     assert m["val/math/acc/maj@3"] == 0.0  # "6" twice: its acc 0, not its score -1
     assert m["val/openai/gsm8k/acc/mean@3"] == pytest.approx(1 / 3)  # scores (1 + 0 + 0) / 3
     assert m["val/acc/mean@3"] == pytest.approx(1 / 3)  # over both prompts: (1/3 + 1/3) / 2

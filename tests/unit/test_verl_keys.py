@@ -141,8 +141,8 @@ VIA = {
     "reward_model.model.path": (["reward_model.enable=True", "reward_model.model.path=/models/rm"],
                                 {"rl.reward.reward_model_path": "/models/rm"}),
     "reward_model.overlong_buffer.enable": (
-        ["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=128"],
-        {"rl.reward.overlong_buffer": 128}),
+        ["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=48"],
+        {"rl.reward.overlong_buffer": 48}),
     "reward_model.overlong_buffer.len": (["reward_model.overlong_buffer.enable=True",
                                           "reward_model.overlong_buffer.len=64"], {"rl.reward.overlong_buffer": 64}),
     "algorithm.adv_estimator": (["algorithm.adv_estimator=rloo_vectorized"], {"rl.algorithm.adv_estimator": "rloo"}),
