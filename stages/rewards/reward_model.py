@@ -4,7 +4,9 @@ Each (prompt messages, response) pair becomes the RM tokenizer's chat template a
 an assistant turn with the response; the score is the logit at the last non-pad token. transformers'
 sequence-classification heads already pool there when `config.pad_token_id` is set, so the tokenizer's
 pad token id is written into the model config and batches are right-padded. Samples are sorted by length
-before batching (less padding); scores come back in the input order.
+before batching (less padding); scores come back in the input order. A transcript longer than the model's
+positions (`max_position_embeddings`) is cut at its end, as verl's reward model worker truncates (right), with a
+warning counting them: a learned position table has no row past it.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ class RewardModelScorer:
         self.tokenizer.padding_side = "right"
         self.model = _load_model(path, dtype).to(self.device).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token
+        self.max_length: int | None = getattr(self.model.config, "max_position_embeddings", None)
 
     def score(self, prompts: list[list[dict]], responses: list[str]) -> list[float]:
         """One scalar per (chat prompt, response) pair, in order; batch size and padding do not matter."""
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; give one per prompt")
-        ids = [self._encode(prompt, response) for prompt, response in zip(prompts, responses)]
+        ids = self._truncated([self._encode(prompt, response) for prompt, response in zip(prompts, responses)])
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         scores = [0.0] * len(ids)
         for start in range(0, len(order), self.batch_size):
@@ -52,6 +55,16 @@ class RewardModelScorer:
         messages = [*prompt, {"role": "assistant", "content": response}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own specials
+
+    def _truncated(self, ids: list[list[int]]) -> list[list[int]]:
+        """Each transcript cut to the model's positions (its end dropped); a warning counts those cut."""
+        if self.max_length is None:
+            return ids
+        cut = sum(len(row) > self.max_length for row in ids)
+        if cut:
+            logger.warning("reward model: %d of %d transcripts are longer than its %d positions; scored on their first "
+                           "%d tokens", cut, len(ids), self.max_length, self.max_length)
+        return [row[: self.max_length] for row in ids]
 
     @torch.inference_mode()
     def _forward(self, ids: list[list[int]]) -> list[float]:

@@ -83,3 +83,28 @@ def test_refuses_a_language_model_and_mismatched_inputs(rm_dir, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no trained classification head"):
         RewardModelScorer(str(tmp_path))
+
+
+def test_a_transcript_longer_than_the_models_positions_is_scored_on_its_start(tmp_path, caplog):
+    """A learned position table (GPT-2's 64 rows here) has no row past its end: the long transcript raised
+    IndexError and ended the RL run. It is cut to the first 64 tokens, as verl's right truncation, and counted."""
+    import logging
+
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = train_tokenizer(TEXTS, 300)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=(len(tokenizer) + 63) // 64 * 64, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                        num_labels=1)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    scorer = RewardModelScorer(str(tmp_path), batch_size=2)
+    long = "The answer is 19. " * 40
+    with caplog.at_level(logging.WARNING, logger="stages.rewards.reward_model"):
+        short_score, long_score = scorer.score(PROMPTS[:2], ["5", long])
+    assert "1 of 2 transcripts are longer than its 64 positions" in caplog.text
+    ids = torch.tensor([scorer._encode(PROMPTS[1], long)[:64]])
+    with torch.no_grad():
+        expected = scorer.model(input_ids=ids).logits[0, 0].item()
+    assert long_score == pytest.approx(expected, abs=SCORE_ATOL)
+    assert short_score == pytest.approx(scorer.score(PROMPTS[:1], ["5"])[0], abs=SCORE_ATOL)
