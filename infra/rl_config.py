@@ -141,7 +141,8 @@ class MultiTurnConfig(Section):
     max_parallel_calls: int = Field(1, gt=0, description="Tool calls run per model turn; more get an error text.")
     max_tool_response_length: int = Field(256, gt=0, description="Characters of one tool answer the model sees.")
     tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
-        "middle", description="Which part of a long tool answer is cut.")
+        "middle", description="Which part of a long tool answer the model reads, as verl: left its start, right its "
+        "end, middle both ends (the middle cut).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool call.")
     tool_reward_weight: float = Field(
         1.0, allow_inf_nan=False, description="Weight of the tools' step rewards added to the outcome score.")

@@ -13,7 +13,7 @@ or when `max_assistant_turns` / `max_user_turns` is reached (`max_turns`; tool a
 texts the model reads (stages/tools/calls.py); calls beyond `max_parallel_calls` in one turn get an error text too.
 The model reads one answer per call, in the order it wrote the calls (as verl's and OpenAI's tool messages are),
 whether the answer is the tool's, a parse error or a refusal. Tool answers are cut to `max_tool_response_length`
-characters on `tool_response_truncate_side`.
+characters on `tool_response_truncate_side` (verl's meaning: left keeps the start, right the end, middle both ends).
 
 Calls are parsed from the turn decoded with special tokens kept (a tokenizer may make `<tool_call>` a special
 token; verl's tool parsers decode the same way) but without the eos and pad tokens
@@ -200,15 +200,16 @@ def _cut(out: RolloutOutput, max_tokens: int) -> RolloutOutput:
 
 
 def truncate_text(text: str, limit: int, side: str) -> str:
-    """`text` cut to `limit` characters, keeping its start (side=right), end (left) or both ends (middle)."""
+    """`text` cut to `limit` characters, keeping its start (side=left), its end (right) or both ends (middle): verl's
+    meaning of tool_response_truncate_side (the side kept, except middle, the part cut)."""
     if len(text) <= limit:
         return text
     marker = "...(truncated)..."
     keep = max(limit - len(marker), 0)
     if side == "left":
-        return marker + text[len(text) - keep:]
-    if side == "right":
         return text[:keep] + marker
+    if side == "right":
+        return marker + text[len(text) - keep:]
     return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2):]
 
 

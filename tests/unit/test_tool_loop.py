@@ -143,8 +143,11 @@ def test_too_many_calls_and_long_answers_are_cut(tokenizer):
     first, refused = [turn["text"] for turn in t.turns if turn["role"] == "tool"]
     assert len(first) == 30 and "truncated" in first
     assert "at most 1 tool calls per turn" in refused
-    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "left").endswith("z")
-    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "right").startswith("a")
+    # verl's tool_agent_loop: "left" keeps text[:max], "right" keeps text[-max:], "middle" both ends
+    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "left").startswith("abc")
+    assert truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "right").endswith("xyz")
+    middle = truncate_text("abcdefghijklmnopqrstuvwxyz" * 3, 20, "middle")
+    assert middle.startswith("a") and middle.endswith("z") and len(middle) == 20
 
 
 class Slow(BaseTool):
