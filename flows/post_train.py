@@ -126,12 +126,14 @@ def counted_rows(cfg: Config, dataset: str, base_model: str, ctx: RunContext, co
     (in the model's chat template) left out when data.filter_overlong_prompts, as verl counts its dataloader."""
     if not verl_overrides.pending(cfg):
         return cfg
+    from stages.agent.rollout import load_rollout_tools, tool_schemas
     from stages.data_prep import load_prompts
     from stages.model.loading import load_tokenizer
 
     store = open_store(cfg)
     tokenizer = load_tokenizer(local_model_path(store, base_model), cfg.model.trust_remote_code)
-    prompts = load_prompts(store.get_dir(ArtifactRef.parse(dataset)) / "train.parquet", tokenizer, cfg.data)
+    prompts = load_prompts(store.get_dir(ArtifactRef.parse(dataset)) / "train.parquet", tokenizer, cfg.data,
+                           tool_schemas(load_rollout_tools(cfg.rl.multi_turn)))
     cfg, lines = verl_overrides.resolve_after_data_prep(cfg, len(prompts.prompt_ids))
     for line in lines:
         console.line(f"verl: {line}")

@@ -221,15 +221,19 @@ class PromptSet:
         return len(self.prompt_ids)
 
 
-def load_prompts(parquet_path: str | Path, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> PromptSet:
-    """Tokenize the prompts of a verl-schema parquet with the chat template; filter or truncate overlong ones."""
+def load_prompts(parquet_path: str | Path, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
+                 tools: list[dict] | None = None) -> PromptSet:
+    """Tokenize the prompts of a verl-schema parquet with the chat template; filter or truncate overlong ones.
+    `tools`: the rollout's tool schemas, rendered into the prompts of tool_agent rows (as verl's tool agent loop
+    does: the model reads which tools there are and how to call them)."""
     path = Path(parquet_path)
     table = pq.read_table(path)
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing verl columns {missing} (has {table.column_names}); run data prep on it")
     rows = table.to_pylist()
-    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    texts = [tokenizer.apply_chat_template(r["prompt"], tools=tools if r.get("agent_name") == "tool_agent" else None,
+                                           add_generation_prompt=True, tokenize=False) for r in rows]
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out, limit = PromptSet(), cfg.max_prompt_length
     for i, (row, ids) in enumerate(zip(rows, all_ids, strict=True)):

@@ -42,7 +42,7 @@ import torch
 
 from infra.config import Config
 from stages.agent import Rollout
-from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
+from stages.agent.rollout import load_rollout_interactions, load_rollout_tools, tool_schemas
 from stages.data_prep import load_prompts
 from stages.model.loading import load_tokenizer
 from stages.rewards.pool import RewardPool
@@ -162,7 +162,9 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
     engine = resolve_engine(ev.engine)
     cfg = cfg.model_copy(update={"evaluate": ev.model_copy(update={"engine": engine})})
     tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    prompts = load_prompts(data_file, tokenizer, cfg.data)
+    multi_turn = cfg.rl.multi_turn
+    tools = load_rollout_tools(multi_turn)
+    prompts = load_prompts(data_file, tokenizer, cfg.data, tool_schemas(tools))
     num = min(len(prompts), ev.max_samples or len(prompts))
     if num == 0:
         raise ValueError(f"{data_file}: no prompts to evaluate (all filtered by data.max_prompt_length?)")
@@ -175,9 +177,7 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
     logger.info("evaluate %s on %d prompts with %s (n=%d)", model_dir, num, engine, ev.n)
     rows = list(range(num))
     with eval_workers(cfg, str(model_dir)) as generate, RewardPool(cfg.rl.reward) as pool:
-        multi_turn = cfg.rl.multi_turn
-        rollout = Rollout(generate, tokenizer, pool, load_rollout_tools(multi_turn), multi_turn,
-                          load_rollout_interactions(multi_turn))
+        rollout = Rollout(generate, tokenizer, pool, tools, multi_turn, load_rollout_interactions(multi_turn))
         greedy, *sampled = [_samples(rollout, prompts, rows, params, sampled=params.n > 1) for params in runs]
     sampled = sampled[0] if sampled else []
     scores, counts = score_table(greedy, sampled, ev.n)

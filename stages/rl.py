@@ -40,7 +40,7 @@ from infra.console import LINES
 from infra.learning_signal import WARNING_METRIC, NoSignalMonitor
 from infra.tracking import Tracker, progress_bar
 from infra.trajectories import RunTables
-from stages.agent.rollout import load_rollout_interactions, load_rollout_tools
+from stages.agent.rollout import load_rollout_interactions, load_rollout_tools, tool_schemas
 from stages.batch import Batch, balance_batch, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
@@ -113,12 +113,12 @@ class RLTrainer:
         self.cfg, self.rl = cfg, cfg.rl
         self.checkpoints, self.tables, self.tracker = checkpoints, tables, tracker
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-        self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data)
-        self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data)
-        self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
-        self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
         multi_turn = self.rl.multi_turn  # a bad tools or interactions file fails here, before workers start
         tools, interactions = load_rollout_tools(multi_turn), load_rollout_interactions(multi_turn)
+        self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data, tool_schemas(tools))
+        self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data, tool_schemas(tools))
+        self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
+        self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
         self.placement, self.actor, self.critic, self.reward_model, self.engines = None, None, None, None, None
         use_rm = self.rl.reward.reward_model_path is not None
         try:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from infra.config import Config
 from infra.tracking import Tracker, progress_bar
+from stages.agent.rollout import load_rollout_tools, tool_schemas
 from stages.batch import Batch, to_device
 from stages.merge import write_hf_folder
 from stages.model.fsdp import (
@@ -121,8 +122,9 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
             tracker: Tracker) -> SFTResult:
     """Train from `model_dir` on `data_dir`/sft_*.parquet; the final HF folder goes to `out_dir`."""
     tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    train = tokenize_sft(data_dir / "sft_train.parquet", tokenizer, cfg.data)
-    val = tokenize_sft(data_dir / "sft_validation.parquet", tokenizer, cfg.data)
+    tools = tool_schemas(load_rollout_tools(cfg.rl.multi_turn))  # a multi-turn row's prompt as RL's tool_agent's
+    train = tokenize_sft(data_dir / "sft_train.parquet", tokenizer, cfg.data, tools)
+    val = tokenize_sft(data_dir / "sft_validation.parquet", tokenizer, cfg.data, tools)
     steps_per_epoch = len(train) // cfg.sft.train_batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"sft.train_batch_size={cfg.sft.train_batch_size} > {len(train)} training examples")

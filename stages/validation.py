@@ -1,8 +1,9 @@
 """Validation metrics over n samples per prompt, per data_source: mean@n, best@n, worst@n and maj@n.
 
 mean@n is the average score of all samples; best@n the share of prompts with at least one correct
-sample (pass@n); worst@n the share with every sample correct; maj@n the score of the most common final answer (ties: the answer seen first), as
-verl's `process_validation_metrics` reports. With n = 1 (greedy) all three equal the accuracy. The answer is the
+sample (pass@n); worst@n the share with every sample correct; maj@n the score of the most common final answer
+(ties: the answer seen first), as verl's `process_validation_metrics` reports. With n = 1 (greedy) all four equal
+the accuracy. The answer is the
 reward's own `pred` where it returns one (math_dapo: "12" from "x = 12, so Answer: 12", as verl votes), else the
 response's `####` answer, its last `\boxed{}` (MATH) or its last line. verl votes only where the reward gives a
 `pred`; without one, a vote is for an answer and its value together, so that samples with the same answer and

@@ -181,13 +181,24 @@ def at_defaults(section: BaseModel, fields: tuple[str, ...]) -> BaseModel:
 
 
 def sft_sections(cfg: Config) -> tuple:
-    return at_defaults(cfg.sft, SFT_OPERATIONAL), cfg.model, cfg.data, str(cfg.run.seed)
+    """With tools, a multi-turn row's prompt renders their schemas: their files are part of it (without tools, the
+    key is what it was before tools reached SFT prompts)."""
+    mt = cfg.rl.multi_turn
+    with_tools = mt.tool_config_path or mt.tool_functions
+    tools = (mt.tool_config_path, *mt.tool_functions, *_tool_file_digests(cfg)) if with_tools else ()
+    return at_defaults(cfg.sft, SFT_OPERATIONAL), cfg.model, cfg.data, str(cfg.run.seed), *tools
 
 
 def _tool_digests(cfg: Config) -> tuple:
     """The content of the tool files of rl.multi_turn: its YAMLs (tools, interactions) and its function tools' files."""
+    tool_yaml, *functions = _tool_file_digests(cfg)
+    return tool_yaml, content_digest(cfg.rl.multi_turn.interaction_config_path), *functions  # the order of old keys
+
+
+def _tool_file_digests(cfg: Config) -> tuple:
+    """The content of the files that define the tools (their schemas reach the prompts): the YAML, the functions'."""
     mt = cfg.rl.multi_turn
-    return (content_digest(mt.tool_config_path), content_digest(mt.interaction_config_path),
+    return (content_digest(mt.tool_config_path),
             *(content_digest(spec.rpartition(":")[0]) for spec in mt.tool_functions if ":" in spec))
 
 
@@ -211,4 +222,5 @@ def eval_sections(cfg: Config) -> tuple:
     return (ev.model_copy(update={"engine": resolve_engine(ev.engine)}), cfg.data.max_prompt_length,
             cfg.data.max_response_length, cfg.data.filter_overlong_prompts, cfg.data.truncation, cfg.model.dtype,
             reward.custom_path, reward.custom_function, reward.math_scorer, str(reward.timeout_s), str(cfg.run.seed),
-            str(cfg.ray.num_devices_per_node * cfg.ray.num_nodes), content_digest(reward.custom_path), cfg.rl.multi_turn, *_tool_digests(cfg))
+            str(cfg.ray.num_devices_per_node * cfg.ray.num_nodes), content_digest(reward.custom_path),
+            cfg.rl.multi_turn, *_tool_digests(cfg))

@@ -41,6 +41,12 @@ def load_rollout_tools(multi_turn: Any) -> dict:
     return load_tools(entries) if entries else {}
 
 
+def tool_schemas(tools: dict) -> list[dict] | None:
+    """The OpenAI function schemas of `tools` for the chat template (`apply_chat_template(tools=...)`); None
+    without tools."""
+    return [tool.schema.to_openai() for tool in tools.values()] or None
+
+
 def load_rollout_interactions(multi_turn: Any) -> dict:
     """The simulated users of `rl.multi_turn.interaction_config_path` (verl's YAML format), by name; {} when unset."""
     from stages.agent.interactions import load_interactions

@@ -115,9 +115,11 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, o
     return out
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` through the chat template, ending with the assistant turn's header."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                    tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` through the chat template, ending with the assistant turn's header; `tools` (OpenAI
+    function schemas) rendered where the template puts them (Qwen's: a system block), as verl's tool agent loop."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -35,6 +35,6 @@ def _check_signature(fn: Callable, where: str) -> None:
     except TypeError as exc:
         raise ValueError(
             f"custom reward {where}{signature} cannot be called as f(data_source=..., solution_str=..., "
-            f"ground_truth=..., extra_info=...) ({exc}); define it as def {fn.__name__}(data_source, solution_str, ground_truth, "
-            "extra_info=None)"
+            f"ground_truth=..., extra_info=...) ({exc}); define it as def {fn.__name__}(data_source, solution_str, "
+            "ground_truth, extra_info=None)"
         ) from None

@@ -66,13 +66,15 @@ def test_replacing_a_file_changes_the_keys_of_the_stages_that_read_it(tmp_path):
     after_model = keys(cfg, str(model))
     assert {k for k in before if after_reward[k] != after_model[k]} == {"base", "sft", "rl", "eval"}
 
-    changes = ((tools, "tools: []\n# changed\n"), (functions, "def lookup(key: str) -> str:\n    return ''\n"),
-               (interactions, "interaction: []\n# changed\n"))
-    for tool_file, text in changes:
+    # the tools' schemas reach SFT's multi-turn prompts too; the interactions only RL's and evaluation's rollouts
+    changes = ((tools, "tools: []\n# changed\n", {"sft", "rl", "eval"}),
+               (functions, "def lookup(key: str) -> str:\n    return ''\n", {"sft", "rl", "eval"}),
+               (interactions, "interaction: []\n# changed\n", {"rl", "eval"}))
+    for tool_file, text, stages_reading in changes:
         previous = keys(cfg, str(model))
         tool_file.write_text(text)
         touch_later(tool_file)
-        assert {k for k, v in keys(cfg, str(model)).items() if v != previous[k]} == {"rl", "eval"}, tool_file
+        assert {k for k, v in keys(cfg, str(model)).items() if v != previous[k]} == stages_reading, tool_file
 
 
 def test_hub_ids_and_artifact_refs_are_taken_as_they_are():

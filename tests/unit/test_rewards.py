@@ -265,7 +265,8 @@ def test_custom_loader(tmp_path):
     fn = load_reward_fn(str(path), "score")
     assert fn("x", "42", "42", None) == {"score": 1.0, "len": 2}
     assert fn(data_source="x", solution_str="41", ground_truth="42", extra_info={})["score"] == 0.0
-    with pytest.raises(ValueError, match=r"has no function 'scroe'; its functions: \['bad', 'keyword_only', 'score', 'with_kwargs'\]"):
+    with pytest.raises(ValueError, match=r"no function 'scroe'; its functions: \['bad', 'keyword_only', 'score', "
+                                         r"'with_kwargs'\]"):
         load_reward_fn(str(path), "scroe")
     with pytest.raises(ValueError, match=r"cannot be called as f\(data_source=..., solution_str=..., ground_truth"):
         load_reward_fn(str(path), "bad")

@@ -4,6 +4,7 @@ and the task's reward scores the model's turns."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -44,6 +45,42 @@ def test_rows_name_their_loop_and_tool_arguments(task):
     with_call = [r for r in sft if r["turns"]]
     assert len(with_call) == 32 and [m["role"] for m in with_call[0]["turns"]] == ["assistant", "tool", "assistant"]
     assert all(r["response"].startswith("#### ") for r in sft)
+
+
+TOOLS_TEMPLATE = (  # Qwen2.5's way: the tool schemas in a system block before the messages
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n' }}{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_tool_agent_prompts_and_multi_turn_sft_prompts_show_the_tools(task, tmp_path):
+    """As verl's tool agent loop (apply_chat_template(tools=...)): a model whose template renders tools reads their
+    schemas in RL's tool_agent prompts, and SFT's multi-turn rows have the same prompt; other rows do not."""
+    import copy
+
+    from stages.agent.rollout import load_rollout_tools, tool_schemas
+
+    cfg, out, tokenizer = task
+    data = cfg.data.model_copy(update={"max_prompt_length": 1024})  # the schema's JSON is a few hundred tokens
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    schemas = tool_schemas(load_rollout_tools(load_config("recipes/tool_calc.yaml").rl.multi_turn))
+    assert [s["function"]["name"] for s in schemas] == ["calculator"]
+    prompts = load_prompts(out / "train.parquet", tokenizer, data, schemas)
+    text = tokenizer.decode(prompts.prompt_ids[0])
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
+    plain = pq.read_table(out / "train.parquet").to_pylist()[:1]
+    plain[0]["agent_name"] = "single_turn"
+    pq.write_table(pa.Table.from_pylist(plain), tmp_path / "single.parquet")
+    assert "# Tools" not in tokenizer.decode(load_prompts(tmp_path / "single.parquet", tokenizer, data,
+                                                          schemas).prompt_ids[0])
+    sft = pq.read_table(out / "sft_train.parquet").to_pylist()
+    examples = tokenize_sft(out / "sft_train.parquet", tokenizer, data, schemas)
+    multi, direct = (next(k for k, r in enumerate(sft) if bool(r["turns"]) == want) for want in (True, False))
+    shown = [tokenizer.decode(examples[k].input_ids[:examples[k].num_prompt_tokens]) for k in (multi, direct)]
+    assert '"name": "calculator"' in shown[0] and "# Tools" not in shown[1]
 
 
 def test_sft_layout_is_the_loops_layout(task):
