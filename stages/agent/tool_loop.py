@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -160,18 +161,19 @@ async def _create_instances(tools: dict, tools_kwargs: dict) -> dict[str, str]:
     return instances
 
 
-async def _finish(tools: dict, instances: dict[str, str], session: InteractionSession | None) -> float:
-    """The trajectory's summed tool rewards; then every instance is released and the session finalised, each even if
+async def _finish(tools: dict, instances: dict[str, str],
+                  session: InteractionSession | None) -> list[tuple[str, float]]:
+    """Each tool's (name, calc_reward) for the trajectory; then every instance is released and the session finalised, each even if
     a reward, a release or the finalising raised. The first error propagates; later ones are logged."""
     cleanup = [(tool.release, instances[name]) for name, tool in tools.items()]
     cleanup += [(session.finalize,)] if session else []
     try:
-        reward = sum([await tool.calc_reward(instances[name]) for name, tool in tools.items()], 0.0)
+        rewards = [(name, await tool.calc_reward(instances[name])) for name, tool in tools.items()]
     except BaseException:
         await _all_of(cleanup, raise_first=False)
         raise
     await _all_of(cleanup, raise_first=True)
-    return reward
+    return rewards
 
 
 async def _all_of(calls: list[tuple], raise_first: bool) -> None:
@@ -240,6 +242,15 @@ class _State:
     def count(self, key: str, value: float = 1.0) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + value
 
+    def finite_reward(self, value: float, source: str) -> float:
+        """`value`, or 0 for NaN/inf (counted in tool/nan_rewards, warned): as the reward pool scores a NaN, so that
+        one tool cannot turn its whole group's advantages into NaN."""
+        if math.isfinite(value):
+            return value
+        self.count("tool/nan_rewards")
+        logger.warning("%s gave a reward of %s; scored 0 (counted in tool/nan_rewards)", source, value)
+        return 0.0
+
 
 @AGENT_LOOPS.register("tool_agent")
 class ToolAgentLoop(AgentLoop):
@@ -292,7 +303,8 @@ class ToolAgentLoop(AgentLoop):
                 await session.start()
             await self._turns(ctx, engine, sample, state, instances, budget, session)
         finally:
-            state.tool_reward += await _finish(ctx.tools, instances, session)
+            rewards = await _finish(ctx.tools, instances, session)
+            state.tool_reward += sum(state.finite_reward(r, f"calc_reward of tool {n!r}") for n, r in rewards)
         return Trajectory(sample.prompt_index, state.response_ids, state.mask, state.logprobs, state.finish_reason,
                           "\n".join(state.texts), self.name, state.turns,
                           opts.tool_reward_weight * state.tool_reward, state.metrics,
@@ -308,6 +320,8 @@ class ToolAgentLoop(AgentLoop):
             num_assistant += 1
             text = ctx.decode(out.response_ids)
             _, calls, errors = parse_tool_calls(ctx.decode_for_parsing(out.response_ids), opts.format)
+            if errors:  # counted here: a turn at a limit ends the trajectory before its calls would run
+                state.count("tool/parse_errors", len(errors))
             state.texts.append(text)
             state.turns.append({"role": "assistant", "text": text, "tokens": len(out.response_ids)})
             state.messages.append({"role": "assistant", "content": text})
@@ -367,7 +381,6 @@ class ToolAgentLoop(AgentLoop):
         start = time.perf_counter()
         results = iter(await asyncio.gather(*(call_tool(ctx.tools, instances, c, opts.tool_timeout_s)
                                               for c in calls[: opts.max_parallel_calls])))
-        state.count("tool/parse_errors", len(errors))
         answers, num_run = [], 0
         for item in in_call_order(calls, errors):
             if isinstance(item, str):  # a malformed call's parse error
@@ -385,12 +398,14 @@ class ToolAgentLoop(AgentLoop):
     def _record_answer(self, ctx: LoopContext, state: _State, result: ToolCallResult, start: float) -> str:
         """Count one executed call and record its turn; -> its answer text, cut to max_tool_response_length."""
         opts = ctx.options
-        name = result.call.name if result.known_tool else "unknown"
         text = truncate_text(result.response.text, opts.max_tool_response_length, opts.tool_response_truncate_side)
-        state.tool_reward += result.response.reward
+        state.tool_reward += state.finite_reward(result.response.reward, f"tool {result.call.name!r}")
         for key, flag in (("calls", 1.0), ("errors", float(result.error)), ("timeouts", float(result.timeout))):
             state.count(f"tool/{key}", flag)
-            state.count(f"tool/{name}/{key}", flag)
+            if result.known_tool:  # a model can invent any number of names: not one metric key each
+                state.count(f"tool/{result.call.name}/{key}", flag)
+        if not result.known_tool:
+            state.count("tool/unknown_tool")
         state.turns.append({"role": "tool", "tool_name": result.call.name, "arguments": result.call.arguments,
                             "text": text, "error": result.error, "timeout": result.timeout,
                             "latency_s": result.response.metrics.get("latency_s", time.perf_counter() - start)})

@@ -6,7 +6,7 @@ This package is the library the agent loop calls; it holds no loop itself.
     base        ToolSchema (OpenAI function schema), ToolCall, ToolResponse, BaseTool (verl's lifecycle:
                 create -> execute* -> calc_reward -> release), validate_arguments.
     calls       run_tool_call / call_tool: execute a parsed call so that bad arguments, unknown tools,
-                raising or hanging tools become error texts; ToolMetrics (tool/calls, tool/errors, ...).
+                raising or hanging tools become error texts; ToolCallResult (error, timeout: what the loop counts).
     parsers     TOOL_PARSERS (`hermes`: <tool_call>{...}</tool_call>): text -> (content, calls, errors);
                 in_call_order(calls, errors) for one answer per call in the model's order;
                 tool_messages / assistant_message for the chat template.
@@ -35,7 +35,7 @@ sandbox bounds its output in bytes itself.
 
 from stages.tools.base import BaseTool, ToolCall, ToolFunction, ToolResponse, ToolSchema, validate_arguments
 from stages.tools.calculator import CalculatorTool, calculate
-from stages.tools.calls import ToolCallResult, ToolMetrics, call_tool, run_tool_call
+from stages.tools.calls import ToolCallResult, call_tool, run_tool_call
 from stages.tools.functions import FunctionTool, function_tool
 from stages.tools.parsers import (
     TOOL_PARSERS,
@@ -50,7 +50,7 @@ from stages.tools.sandbox import PythonTool, SandboxConfig
 
 __all__ = [
     "TOOL_PARSERS", "BaseTool", "CalculatorTool", "FunctionTool", "ParseError", "PythonTool", "SandboxConfig",
-    "ToolCall", "ToolCallResult", "ToolFunction", "ToolMetrics", "ToolResponse", "ToolSchema", "assistant_message",
+    "ToolCall", "ToolCallResult", "ToolFunction", "ToolResponse", "ToolSchema", "assistant_message",
     "calculate", "call_tool", "function_tool", "in_call_order", "load_tools", "parse_tool_calls", "run_tool_call",
     "tool_messages", "validate_arguments",
 ]

@@ -8,9 +8,10 @@ timeout and turns every failure into an error text the model sees next:
     error: tool 'search' timed out after 5 s
     error: tool 'calculator' failed: ZeroDivisionError: division by zero
 
-The response's metrics carry `error` and `timeout` (0/1) and `latency_s`, which `ToolMetrics` sums into
-verl-style keys per step: `tool/calls`, `tool/errors`, `tool/timeouts`, `tool/parse_errors`,
-`tool/unknown_tool`, and per tool `tool/<name>/calls|errors|timeouts`, `tool/<name>/latency_s/mean|max`.
+The response's metrics carry `error` and `timeout` (0/1; a tool may set them itself: the python tool's own
+limits) and `latency_s`. The tool_agent loop counts them per sample, summed per step: `tool/calls`, `tool/errors`,
+`tool/timeouts`, `tool/parse_errors`, `tool/unknown_tool`, `tool/refused`, `tool/nan_rewards` and per known tool
+`tool/<name>/calls|errors|timeouts`; each call's latency is in the `turns` table (`latency_s`).
 
 The timeout starts once the tool has a slot (`tool.slot()`: the python tool's sandbox runs `max_concurrent`
 programs at a time), so a call that waits for a free process is not cut for the time others ran. A tool that
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -115,47 +115,3 @@ async def call_tool(
         raise ValueError(f"tool {call.name!r} has no instance id; call `create` for every tool of the trajectory")
     response = await run_tool_call(tool, instance_ids[call.name], call, timeout_s)
     return ToolCallResult(call, response)
-
-
-class ToolMetrics:
-    """Counts of tool calls for one step, as metric keys (`tool/calls`, `tool/<name>/errors`, ...).
-
-    Unknown tool names are counted in `tool/unknown_tool`, not per name: a model can invent any number of
-    names, and each would become a new metric key.
-    """
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-        self.per_tool: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.latencies: dict[str, list[float]] = defaultdict(list)
-
-    def add(self, result: ToolCallResult) -> None:
-        """Count one call (known or not)."""
-        self.totals["calls"] += 1
-        self.totals["errors"] += result.error
-        self.totals["timeouts"] += result.timeout
-        if not result.known_tool:
-            self.totals["unknown_tool"] += 1
-            return
-        counts = self.per_tool[result.call.name]
-        counts["calls"] += 1
-        counts["errors"] += result.error
-        counts["timeouts"] += result.timeout
-        if "latency_s" in result.response.metrics:
-            self.latencies[result.call.name].append(result.response.metrics["latency_s"])
-
-    def add_parse_errors(self, num_errors: int) -> None:
-        """Count malformed calls the parser reported (they never reach a tool)."""
-        self.totals["parse_errors"] += num_errors
-
-    def to_dict(self) -> dict[str, float]:
-        """The metrics; the four totals are always present (0 when nothing happened)."""
-        metrics = {f"tool/{key}": self.totals.get(key, 0.0) for key in ("calls", "errors", "timeouts", "parse_errors")}
-        metrics["tool/unknown_tool"] = self.totals.get("unknown_tool", 0.0)
-        for name, counts in sorted(self.per_tool.items()):
-            metrics.update({f"tool/{name}/{key}": value for key, value in counts.items()})
-            latencies = self.latencies.get(name)
-            if latencies:
-                metrics[f"tool/{name}/latency_s/mean"] = sum(latencies) / len(latencies)
-                metrics[f"tool/{name}/latency_s/max"] = max(latencies)
-        return metrics

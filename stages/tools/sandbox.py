@@ -406,7 +406,10 @@ class PythonTool(BaseTool):
         """Runs the code in a `slot()`: the one its caller holds (tools.calls.run_tool_call takes it before the
         call's timeout starts), else one it waits for, so that direct callers keep to `max_concurrent` too."""
         result = await self.sandbox.run(strip_code_fence(str(parameters.get("code", ""))))
-        metrics = {
+        failed = result.timed_out or result.truncated or result.over_disk or bool(result.exit_code)
+        metrics = {  # error/timeout: what the loop counts (tool/errors, tool/timeouts): the answer is a note, not output
+            "error": float(failed),
+            "timeout": float(result.timed_out),
             "sandbox/timeout": float(result.timed_out),
             "sandbox/truncated": float(result.truncated),
             "sandbox/failed": float(result.timed_out or bool(result.exit_code)),

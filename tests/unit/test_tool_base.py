@@ -12,7 +12,7 @@ import pytest
 
 from stages.tools.base import BaseTool, ToolCall, ToolResponse, ToolSchema, validate_arguments
 from stages.tools.calculator import CalculatorTool, calculate
-from stages.tools.calls import ToolMetrics, call_tool, run_tool_call
+from stages.tools.calls import call_tool, run_tool_call
 
 SCHEMA = {
     "type": "function",
@@ -184,7 +184,8 @@ def test_unknown_tool_and_missing_instance():
         run(call_tool(tools, {"search": "i"}, ToolCall("calculator", {"expression": "1"}), timeout_s=5))
 
 
-def test_metrics_counts():
+def test_call_results_flag_errors_and_timeouts():
+    """What the loop counts (tool/errors, tool/timeouts, tool/unknown_tool) from each call's result."""
     tools = {"search": Recorder(), "calculator": CalculatorTool()}
     ids = {"search": "s", "calculator": "c"}
     run(tools["search"].create("s"))
@@ -195,28 +196,14 @@ def test_metrics_counts():
         ToolCall("calculator", {"expression": "2*3"}),
         ToolCall("browse", {}),
     ]
-    metrics = ToolMetrics()
 
     async def scenario():
-        for call in calls:
-            metrics.add(await call_tool(tools, ids, call, timeout_s=0.2))
+        return [await call_tool(tools, ids, call, timeout_s=0.2) for call in calls]
 
-    run(scenario())
-    metrics.add_parse_errors(2)
-    result = metrics.to_dict()
-    # 5 calls; errors: raise, hang (timeout), unknown = 3; timeouts: hang = 1
-    assert {k: result[k] for k in ("tool/calls", "tool/errors", "tool/timeouts", "tool/parse_errors")} == {
-        "tool/calls": 5, "tool/errors": 3, "tool/timeouts": 1, "tool/parse_errors": 2}
-    assert result["tool/unknown_tool"] == 1
-    assert (result["tool/search/calls"], result["tool/search/errors"], result["tool/search/timeouts"]) == (3, 2, 1)
-    assert (result["tool/calculator/calls"], result["tool/calculator/errors"]) == (1, 0)
-    assert result["tool/search/latency_s/max"] >= 0.2  # the timed-out call
-    assert not any("browse" in key for key in result)
-
-
-def test_empty_metrics_have_totals():
-    assert ToolMetrics().to_dict() == {"tool/calls": 0, "tool/errors": 0, "tool/timeouts": 0,
-                                       "tool/parse_errors": 0, "tool/unknown_tool": 0}
+    results = run(scenario())
+    assert [(r.error, r.timeout, r.known_tool) for r in results] == [
+        (False, False, True), (True, False, True), (True, True, True), (False, False, True), (True, False, False)]
+    assert results[2].response.metrics["latency_s"] >= 0.2  # the timed-out call
 
 
 @pytest.mark.parametrize(

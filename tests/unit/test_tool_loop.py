@@ -134,7 +134,15 @@ def test_bad_calls_become_error_texts_and_counts(tokenizer):
     assert t.finish_reason == "stop"
     assert t.metrics["tool/parse_errors"] == 1 and t.metrics["tool/calls"] == 4
     # errors: unknown tool, bad arguments, timeout; 1/0 is the calculator's own answer, not a failed call
-    assert t.metrics["tool/timeouts"] == 1 and t.metrics["tool/errors"] == 3 and t.metrics["tool/unknown/calls"] == 1
+    assert t.metrics["tool/timeouts"] == 1 and t.metrics["tool/errors"] == 3 and t.metrics["tool/unknown_tool"] == 1
+    assert not any("nope" in key or "unknown/" in key for key in t.metrics)  # no metric key per invented name
+
+
+def test_a_malformed_call_in_the_last_allowed_turn_is_counted(tokenizer):
+    """The turn limit ends the trajectory before its calls would run: its parse errors still count."""
+    bad = '<tool_call>{"name": calculator}</tool_call>'
+    [t], _, _ = run(tokenizer, {0: [bad]}, max_assistant_turns=1)
+    assert t.finish_reason == "max_turns" and t.metrics["tool/parse_errors"] == 1 and t.metrics["tool/calls"] == 0
 
 
 def test_too_many_calls_and_long_answers_are_cut(tokenizer):
@@ -245,6 +253,18 @@ def test_a_function_tools_step_rewards_count_once(tokenizer):
     call = '<tool_call>{"name": "grade", "arguments": {"answer": 4}}</tool_call>'
     [t], _, _ = run(tokenizer, {0: [call, call, "#### 4"]}, tools={"grade": function_tool(grade)}, max_tokens=500)
     assert t.tool_reward == 2.0  # two calls of 1.0 (calc_reward adds nothing for a function tool)
+
+
+def test_a_nan_tool_reward_scores_0_and_is_counted(tokenizer, caplog):
+    """As the reward pool does with a NaN score: one NaN would make its whole group's advantages NaN."""
+    def grade(answer: int) -> tuple[str, float]:
+        """Grade an answer."""
+        return "ok", float("nan") if answer == 4 else 1.0
+
+    calls = ['<tool_call>{"name": "grade", "arguments": {"answer": %d}}</tool_call>' % a for a in (4, 5)]
+    [t], _, _ = run(tokenizer, {0: [*calls, "#### 4"]}, tools={"grade": function_tool(grade)}, max_tokens=500)
+    assert t.tool_reward == 1.0 and t.metrics["tool/nan_rewards"] == 1
+    assert "tool 'grade' gave a reward of nan; scored 0" in caplog.text
 
 
 def test_control_token_text_in_a_tool_answer_stays_text(tokenizer):
