@@ -407,7 +407,7 @@ class PythonTool(BaseTool):
         call's timeout starts), else one it waits for, so that direct callers keep to `max_concurrent` too."""
         result = await self.sandbox.run(strip_code_fence(str(parameters.get("code", ""))))
         failed = result.timed_out or result.truncated or result.over_disk or bool(result.exit_code)
-        metrics = {  # error/timeout: what the loop counts (tool/errors, tool/timeouts): the answer is a note, not output
+        metrics = {  # error/timeout: what the loop counts (tool/errors, tool/timeouts): the answer is a note
             "error": float(failed),
             "timeout": float(result.timed_out),
             "sandbox/timeout": float(result.timed_out),
