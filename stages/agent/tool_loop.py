@@ -164,7 +164,8 @@ async def _create_instances(tools: dict, tools_kwargs: dict) -> dict[str, str]:
 async def _finish(tools: dict, instances: dict[str, str],
                   session: InteractionSession | None) -> list[tuple[str, float]]:
     """Each tool's (name, calc_reward) for the trajectory; then every instance is released and the session
-    finalised, each even if a reward, a release or the finalising raised. The first error propagates; later ones are logged."""
+    finalised, each even if a reward, a release or the finalising raised. The first error propagates; later ones
+    are logged."""
     cleanup = [(tool.release, instances[name]) for name, tool in tools.items()]
     cleanup += [(session.finalize,)] if session else []
     try:
