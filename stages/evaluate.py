@@ -44,7 +44,7 @@ from infra.config import Config
 from stages.agent import Rollout
 from stages.agent.rollout import load_rollout_interactions, load_rollout_tools, tool_schemas
 from stages.data_prep import load_prompts
-from stages.model.loading import load_tokenizer
+from stages.model.loading import load_tokenizer, stop_token_ids
 from stages.rewards.pool import RewardPool
 from stages.rollout.base import PackedOutputs, SamplingParams
 from stages.rollout.local import local_engine
@@ -168,7 +168,7 @@ def evaluate_model(cfg: Config, model_dir: Path, data_file: Path) -> EvalResult:
     num = min(len(prompts), ev.max_samples or len(prompts))
     if num == 0:
         raise ValueError(f"{data_file}: no prompts to evaluate (all filtered by data.max_prompt_length?)")
-    stop = (tokenizer.eos_token_id,)
+    stop = stop_token_ids(model_dir, tokenizer.eos_token_id)
     runs = [SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens(cfg), stop_token_ids=stop,
                            seed=cfg.run.seed)]
     if ev.n > 1:

@@ -44,7 +44,7 @@ from stages.agent.rollout import load_rollout_interactions, load_rollout_tools, 
 from stages.batch import Batch, balance_batch, token_level_scores
 from stages.core import AdvantageInputs, apply_kl_penalty, compute_advantages, make_kl_controller
 from stages.data_prep import load_prompts
-from stages.model.loading import load_tokenizer
+from stages.model.loading import load_tokenizer, stop_token_ids
 from stages.model.safe_load import load_state
 from stages.rl_async import AsyncSchedule
 from stages.rl_correction import corrected_batch
@@ -129,7 +129,7 @@ class RLTrainer:
             self.reward_model = RewardModel(cfg, self.placement) if use_rm else None
             self.automatic = self._automatic_settings()
             self.gen = RolloutDriver(cfg, self.tokenizer, self.train, self.engines, self.reward_model, tools,
-                                     interactions)
+                                     interactions, stop_token_ids(model_dir, self.tokenizer.eos_token_id))
         except BaseException:  # a reward pool that fails to start, Ctrl-C
             self._release_workers()  # a persistent cluster must not keep a half-made group's resources
             raise
@@ -324,7 +324,7 @@ class RLTrainer:
     def _val_samples(self, params: SamplingParams) -> list[dict]:
         num = min(len(self.val), self.rl.max_validation_samples or len(self.val))
         params = replace(params, max_tokens=self.cfg.data.max_response_length,
-                         stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed)
+                         stop_token_ids=self.gen.stop_ids, seed=self.cfg.run.seed)
         with self.gen.engines_awake():
             return validation_samples(self.gen.rollout, self.val, list(range(num)), params)
 

@@ -45,9 +45,10 @@ class RolloutDriver:
     engines' generate with policy versions and partial rollouts."""
 
     def __init__(self, cfg: Config, tokenizer, train: PromptSet, engines: WorkerGroup,
-                 reward_model: RewardModel | None, tools, interactions):
+                 reward_model: RewardModel | None, tools, interactions, stop_ids: tuple[int, ...]):
         self.cfg, self.rl = cfg, cfg.rl
         self.tokenizer, self.train, self.engines, self.reward_model = tokenizer, train, engines, reward_model
+        self.stop_ids = stop_ids  # the model's EOS ids (stages.model.loading.stop_token_ids)
         self.sampler = PromptSampler(len(train), self.rl.train_batch_size, cfg.run.seed)
         self.rewards = RewardPool(self.rl.reward, min_judged=self.rl.train_batch_size * self.rl.rollout.n)
         self.prefix_router = prefix_router(cfg, engines.world_size // self.rl.rollout.tensor_model_parallel_size)
@@ -90,7 +91,7 @@ class RolloutDriver:
         ro = self.rl.rollout
         params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                 max_tokens=self.cfg.data.max_response_length,
-                                stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.run.seed * 7 + seed)
+                                stop_token_ids=self.stop_ids, seed=self.cfg.run.seed * 7 + seed)
         with self.engines_awake():
             trajectories = self.rollout.run(self.train, indices, params)
         batch = rollout_batch(self.train, indices, trajectories, group_prefix, self.tokenizer.pad_token_id)
@@ -153,8 +154,7 @@ class RolloutDriver:
         """ReMax: each sample's baseline is the reward of its prompt's greedy response, as `score` rewards the
         samples (reward model and overlong penalty included), so a sample equal to it has advantage 0."""
         reward, max_length = self.rl.reward, self.cfg.data.max_response_length
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_length,
-                                stop_token_ids=(self.tokenizer.eos_token_id,))
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_length, stop_token_ids=self.stop_ids)
         with self.engines_awake():
             trajectories = self.rollout.run(self.train, indices, params)
         greedy = self.rollout.score(self.train, indices, trajectories).scores

@@ -6,6 +6,7 @@ transformers as usual; nothing here special-cases the tiny models, which are ord
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -113,6 +114,21 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, o
     plain.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """The ids generation stops at, as vLLM's defaults (and so verl's rollouts): generation_config.json's
+    `eos_token_id` (int or list: Llama 3.1's <|eot_id|>, <|eom_id|> and <|end_of_text|>, Qwen2.5-Instruct's
+    <|im_end|> and <|endoftext|>) and the tokenizer's EOS."""
+    ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
+    path = Path(model_dir) / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    if not ids:
+        raise ValueError(f"no EOS token id in {model_dir} (generation_config.json or tokenizer); "
+                         "pass SamplingParams.stop_token_ids")
+    return tuple(sorted(ids))
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],

@@ -21,7 +21,6 @@ On CUDA this mode makes vLLM use its PyTorch sampler instead of FlashInfer's.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from stages.model.loading import stop_token_ids
 from stages.rollout.base import RolloutOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class VLLMRolloutEngine:
             )
         if cpu_shm:
             _unlink_shm_names(tensor_parallel_size)
-        self.stop_token_ids = default_stop_token_ids(self.model_dir, self.llm.get_tokenizer().eos_token_id)
+        self.stop_token_ids = stop_token_ids(self.model_dir, self.llm.get_tokenizer().eos_token_id)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._checkpoint_names = checkpoint_names(self.model_dir)
@@ -257,20 +257,6 @@ def _to_rollout_output(sample, prompt_index: int, stop_ids: set[int]) -> Rollout
         raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r} (expected stop or length)")
     assert sample.finish_reason == "length" or ids[-1] in stop_ids, "vLLM must keep the stop token"
     return RolloutOutput(prompt_index, ids, logprobs, sample.finish_reason)
-
-
-def default_stop_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> tuple[int, ...]:
-    """The EOS ids vLLM stops at by default: generation_config.json's `eos_token_id` (int or list) and the
-    tokenizer's EOS."""
-    ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
-    path = Path(model_dir) / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids |= {eos} if isinstance(eos, int) else set(eos or ())
-    if not ids:
-        raise ValueError(f"no EOS token id in {model_dir} (generation_config.json or tokenizer); "
-                         "pass SamplingParams.stop_token_ids")
-    return tuple(sorted(ids))
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:

@@ -359,7 +359,7 @@ def test_remax_baseline_is_rewarded_as_the_samples_are():
                          logprobs=[0.0] * length, finish_reason="stop", text="x") for i, length in enumerate((46, 10))]
     rollout = SimpleNamespace(run=lambda train, indices, params: greedy,
                               score=lambda train, indices, trajectories: SimpleNamespace(scores=[1.0, 1.0]))
-    driver = SimpleNamespace(rl=cfg.rl, cfg=cfg, tokenizer=SimpleNamespace(eos_token_id=2), rollout=rollout,
+    driver = SimpleNamespace(rl=cfg.rl, cfg=cfg, stop_ids=(2,), rollout=rollout,
                              reward_model=None, engines_awake=nullcontext, train=None)
     batch = SimpleNamespace(meta={"prompt_row": [5, 5, 9]})
     baselines = RolloutDriver._greedy_baselines(driver, batch, [5, 9])

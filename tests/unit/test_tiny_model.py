@@ -44,3 +44,21 @@ def test_embedding_rows_give_a_hub_vocabulary_shape(tmp_path):
     assert model.get_input_embeddings().weight.shape[0] == 1000
     with pytest.raises(ValueError, match="embedding_rows=300 must be at least vocab_size=384"):
         TinyModelConfig(embedding_rows=300)
+
+
+def test_stop_ids_are_the_generation_configs_eos_ids_and_the_tokenizers(tmp_path):
+    """Rollouts, validation and evaluation stop where vLLM (and verl) stop by default: a model whose end of turn is
+    not tokenizer.eos_token (Llama 3.1's <|eot_id|> and <|eom_id|>, Gemma's <end_of_turn>) ran on to the length
+    limit when only the tokenizer's EOS stopped it."""
+    import json
+
+    from stages.model.loading import stop_token_ids
+
+    assert stop_token_ids(tmp_path, 2) == (2,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [202, 2, 7]}))
+    assert stop_token_ids(tmp_path, 2) == (2, 7, 202)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert stop_token_ids(tmp_path, None) == (9,)
+    (tmp_path / "generation_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no EOS token id"):
+        stop_token_ids(tmp_path, None)
