@@ -5,6 +5,11 @@ Prompts are left-padded into batches of `batch_size`; each prompt's `n` samples 
 Decoding follows `SamplingParams` alone, as vLLM's and the cuda engine's: the model folder's
 generation_config.json (a repetition penalty, a minimum length, suppressed tokens) does not apply.
 Calls from several threads run one at a time: the model's generation_config is swapped for each call.
+
+Logprobs: log_softmax(raw logits / logprob_temperature) at the sampled token, taken one step at a time by a
+logits processor (`_TokenLogprobs`), which transformers runs before its temperature and top-k/top-p warpers; only
+one step's (rows, vocab) is held, not every step's logits (`output_logits` kept rows x tokens x vocab floats on the
+device: hundreds of GiB for a real vocabulary at RL batch sizes).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from stages.rollout.base import RolloutOutput, SamplingParams
 
@@ -51,7 +56,8 @@ class HFRolloutEngine:
             "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else None,
         }
-        out = self.model.generate(
+        recorder = _TokenLogprobs(params.logprob_temperature)
+        sequences = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             do_sample=not params.greedy,
@@ -59,14 +65,11 @@ class HFRolloutEngine:
             max_new_tokens=params.max_tokens,
             eos_token_id=stop_ids,
             pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([recorder]),
             **sampling,
         )
-        new_tokens = out.sequences[:, width:].cpu()  # (B*n, L)
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, L, V)
-        logprobs = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
-        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B*n, L)
+        new_tokens = sequences[:, width:].cpu()  # (B*n, L)
+        token_logprobs = recorder.finish(sequences).cpu()  # (B*n, L)
         return [
             _trim(new_tokens[row], token_logprobs[row], set(stop_ids), offset + row // params.n)
             for row in range(new_tokens.shape[0])
@@ -94,7 +97,8 @@ class HFRolloutEngine:
                 seen.add(name)
             else:
                 unexpected.append(name)
-        missing = [k for k in targets if k not in seen and "lm_head" not in k]
+        tied = getattr(self.model.config, "tie_word_embeddings", False)  # a tied head is the embedding: not sent
+        missing = [k for k in targets if k not in seen and not (tied and k.startswith("lm_head."))]
         if unexpected or missing:
             raise ValueError(f"weight sync mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
 
@@ -103,6 +107,31 @@ class HFRolloutEngine:
 
     def wake(self) -> None:
         pass
+
+
+class _TokenLogprobs(LogitsProcessor):
+    """Each sampled token's log_softmax(raw logits / temperature), one step behind: at a step, the last input id is
+    the token sampled at the step before, whose distribution was kept."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None  # (rows, V) log-probabilities of the step before
+        self.values: list[torch.Tensor] = []  # (rows,) per step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1:])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.values.append(self.previous.gather(-1, tokens).squeeze(-1))
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(rows, steps) with the last step's token (no step came after it to take it)."""
+        self._take(sequences[:, -1:])
+        self.previous = None
+        return torch.stack(self.values, dim=1)
 
 
 def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int], prompt_index: int) -> RolloutOutput:

@@ -52,3 +52,38 @@ def test_calls_from_threads_leave_the_models_generation_config():
     assert model.generation_config.repetition_penalty == 2.0
     expected = [argmax_decode(model, p, 4) for p in batch]
     assert all([o.response_ids for o in outputs] == expected for outputs in results)
+
+
+def test_logprobs_are_the_tempered_full_vocabulary_logprobs_of_each_sampled_token():
+    """Taken step by step by a logits processor (before generate's temperature and top-p warpers): each equals
+    log_softmax(logits / T) of a plain forward over the prompt and the tokens before it. The engine kept every step's
+    (rows, vocab) logits before (hundreds of GiB at RL sizes for a 150k vocabulary)."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    engine = HFRolloutEngine(model, PAD, EOS)
+    batch = prompts(3)
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=8, stop_token_ids=(EOS,), seed=5)
+    calls, generate = [], model.generate
+    model.generate = lambda **kwargs: calls.append(kwargs) or generate(**kwargs)
+    outputs = engine.generate(batch, params)
+    assert not calls[0].get("output_logits") and not calls[0].get("output_scores")  # no per-step logits kept
+    assert len(outputs) == 6 and any(len(o.response_ids) > 1 for o in outputs)
+    with torch.no_grad():
+        for out in outputs:
+            ids = torch.tensor([batch[out.prompt_index] + out.response_ids])
+            logits = model(input_ids=ids).logits[0, len(batch[out.prompt_index]) - 1 : -1].float()  # (L, V)
+            expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(out.response_ids)[:, None])
+            assert torch.allclose(torch.tensor(out.logprobs), expected[:, 0], atol=1e-4)
+
+
+def test_a_weight_sync_without_an_untied_head_is_refused():
+    """Only a tied head may be left out (it is the embedding); an untied one would keep the stale head."""
+    import pytest
+
+    tied = tiny_model()
+    names = [k for k in tied.state_dict() if not k.startswith("lm_head.")]
+    HFRolloutEngine(tied, PAD, EOS).update_weights({k: tied.state_dict()[k] for k in names})  # fine
+    untied = tiny_model()
+    untied.config.tie_word_embeddings = False
+    with pytest.raises(ValueError, match=r"missing=\['lm_head.weight'\]"):
+        HFRolloutEngine(untied, PAD, EOS).update_weights({k: untied.state_dict()[k] for k in names})
