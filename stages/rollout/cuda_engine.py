@@ -70,7 +70,8 @@ class CudaRolloutEngine:
     the layers' projections in float8 with per-channel scales, requantised at every `update_weights`
     (fp8.py; Hopper or Ada on CUDA, emulated in float32 on CPU for tests).
     release_memory_on_sleep: `sleep` frees the KV cache and the CUDA graphs (captured again as generation
-    meets each batch size after `wake`); None: when the cache takes >= `FREE_CACHE_SHARE` of the GPU.
+    meets each batch size after `wake`); None: when the cache and the prefix park take >= `FREE_CACHE_SHARE` of
+    the GPU.
     tensor_parallel_group: the ranks that form one engine (cuda_model.py): each calls `generate` with the same
     prompts and parameters and all return the same outputs; without a seed they share the first rank's.
     """
@@ -113,7 +114,8 @@ class CudaRolloutEngine:
                                attention, on_cuda if compile is None else compile, fp8=quantization == "fp8",
                                tp_group=tensor_parallel_group)
         self.decoder.weights.load(model.state_dict())
-        self.release_memory_on_sleep = (_large_cache(self.decoder.kv_bytes(), self.device)
+        held = self.decoder.kv_bytes() + self.decoder.kv_bytes(prefix_cache_rows)  # the cache and the prefix park
+        self.release_memory_on_sleep = (_large_cache(held, self.device)
                                         if release_memory_on_sleep is None else release_memory_on_sleep)
         self.sampler = Sampler(self.device, on_cuda if compile is None else compile, fused_sampling)
         self.slots = Slots(max_num_seqs, kv_len, self.device)
@@ -367,7 +369,7 @@ def _large_cache(kv_bytes: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     large = kv_bytes >= FREE_CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory
-    logger.info("cuda engine: KV cache %.1f GiB: %s it while the trainer works", kv_bytes / 2**30,
+    logger.info("cuda engine: KV cache and prefix park %.1f GiB: %s them while the trainer works", kv_bytes / 2**30,
                 "freeing" if large else "keeping")
     return large
 

@@ -155,9 +155,10 @@ class Decoder:
     def unpark_kv(self, rows: torch.Tensor, slots: torch.Tensor, length: int) -> None:
         self.kv[:, :, slots, :length] = self.park[:, :, rows, :length]
 
-    def kv_bytes(self) -> int:
-        s = self.shape
-        return s.num_layers * 2 * self.max_slots * self.max_len * s.kv_size * self.weights.embed.element_size()
+    def kv_bytes(self, rows: int | None = None) -> int:
+        """Bytes of the K/V cache (`rows`: of that many rows, the park's for instance; default the slots')."""
+        s, rows = self.shape, self.max_slots if rows is None else rows
+        return s.num_layers * 2 * rows * self.max_len * s.kv_size * self.weights.embed.element_size()
 
     def _logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return F.linear(self._final_norm(h, delta, self.weights.final_norm, self.shape.eps), self.weights.lm_head)

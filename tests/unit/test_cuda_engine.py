@@ -583,3 +583,15 @@ def test_data_parallel_engines_with_fewer_prompts_than_engines():
                              engines=group, prefix_router=None)
     outputs = RolloutDriver.engine_generate(driver, [[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
     assert [o.prompt_index for o in outputs] == [0, 0] and all(o.response_ids for o in outputs)
+
+
+def test_the_automatic_free_on_sleep_counts_the_prefix_park(monkeypatch):
+    """The park holds as many rows as the cache with multi-turn tools: both stay on the GPU while the trainer works
+    unless both are counted against FREE_CACHE_SHARE."""
+    from stages.rollout import cuda_engine
+
+    seen = []
+    monkeypatch.setattr(cuda_engine, "_large_cache", lambda held, device: seen.append(held) or False)
+    engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=40, prefix_cache_rows=4,
+                               release_memory_on_sleep=None, device="cpu", dtype=torch.float32, attention="sdpa", compile=False)
+    assert seen == [2 * engine.decoder.kv_bytes()] and engine.decoder.kv_bytes(4) == engine.decoder.kv_bytes()
