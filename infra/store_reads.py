@@ -128,4 +128,11 @@ class VerifiedReads:
             problems = file_problems(manifest, self._file_sizes(vdir, manifest), fetch)
         if problems:
             raise self._corrupt(manifest.ref, problems)
+        # each file was hashed as it arrived; the folder itself may have lost some since (`gc --now` removes partial
+        # downloads, and fetch would recreate the folder for the files after): names and sizes once more
+        arrived = {p.relative_to(target).as_posix(): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+        lost = file_problems(manifest, arrived, lambda rel: manifest.files[rel]["sha256"])
+        if lost:
+            raise RuntimeError(f"the download of {manifest.ref} into {target} lost files while it ran "
+                               f"({'; '.join(lost)}): was the partial folder removed (gc --now)? Run it again")
         (target / MANIFEST).write_bytes(manifest.to_json())

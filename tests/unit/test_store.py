@@ -237,6 +237,33 @@ def test_get_dir_reuses_a_complete_copy(store, tmp_path, monkeypatch):
         store.get_dir(ref, dest=tmp_path / "busy")
 
 
+def test_a_download_whose_partial_folder_vanished_midway_fails_instead_of_landing_incomplete(store, tmp_path,
+                                                                                            monkeypatch):
+    """`gc --now` (of any store: the cache is shared) removes partial downloads; the next file recreated the folder,
+    and the copy without the first files was renamed into place as complete."""
+    import shutil
+
+    import infra.store_reads as reads
+
+    ref = store.put_dir("model", "m", make_dir(tmp_path / "src", {f"shard{i}.bin": bytes([i]) * 100 for i in range(4)}))
+    hashed, real = [], reads.file_sha256
+
+    def sha_then_sweep(path, *args):
+        hashed.append(path)
+        digest = real(path, *args)
+        if len(hashed) == 2:
+            shutil.rmtree(Path(path).parent)  # the sweep, between two files
+        return digest
+
+    monkeypatch.setattr(reads, "file_sha256", sha_then_sweep)
+    with pytest.raises(RuntimeError, match=r"lost files while it ran \(shard0.bin: missing.*gc --now"):
+        store.get_dir(ref, dest=tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()
+    monkeypatch.setattr(reads, "file_sha256", real)
+    assert sorted(p.name for p in store.get_dir(ref, dest=tmp_path / "dest").iterdir()) == [
+        MANIFEST, "shard0.bin", "shard1.bin", "shard2.bin", "shard3.bin"]
+
+
 def test_bad_inputs(store, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="is not a folder"):
