@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(store: ArtifactStore, args: argparse.Namespace) -> None:
     store.check_exists()  # first: check() creates a missing local root
-    store.check()
+    if args.command in ("delete", "gc"):  # only these write: a store one may only read can be listed and verified
+        store.check()
     if args.command == "list":
         _list(store, args.kind)
     elif args.command == "versions":

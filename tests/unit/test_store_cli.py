@@ -92,3 +92,27 @@ def test_sql_cli_on_a_missing_root_exits_2_naming_it(tmp_path, capsys):
     code, out, err = run(capsys, sql_cli.main, "--root", str(nowhere), "--format", "csv",
                          "SELECT count(*) AS n FROM rollouts")
     assert (code, out) == (0, "n\n0\n"), err
+
+
+def test_a_store_one_may_only_read_is_listed_and_verified_but_not_collected(tmp_path, capsys, monkeypatch):
+    """A shared team store, a read-only mount: list/versions/show/verify read only; gc and delete need writes."""
+    import os
+
+    from infra import store as store_module
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = store.put_dir("dataset", "d", _one_file(tmp_path / "src"))
+    real = os.access
+    monkeypatch.setattr(store_module.os, "access",
+                        lambda path, mode: False if mode == os.W_OK else real(path, mode))
+    for argv in (["list"], ["versions", "dataset/d"], ["show", str(ref)], ["verify"]):
+        code, out, err = run(capsys, store_cli, "--root", store.root, *argv)
+        assert code == 0 and not err, (argv, err)
+    code, _, err = run(capsys, store_cli, "--root", store.root, "gc")
+    assert code == 1 and "is not writable" in err
+
+
+def _one_file(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "a.txt").write_text("a")
+    return folder
