@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from infra.orphans import pid_is_checkable, pid_space
 from infra.s3 import stall_bound_s
 from infra.store import ArtifactStore, StoreError
 
@@ -129,8 +130,8 @@ def stage_lease(store: ArtifactStore, name: str, owner: str) -> Iterator[None]:
 
 def _record(owner: str, store: ArtifactStore | None = None) -> bytes:
     me = psutil.Process()
-    return json.dumps({"owner": owner, "host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-                       "renewed": time.time(), "ttl_s": holder_ttl_s(store)}).encode()
+    return json.dumps({"owner": owner, "host": socket.gethostname(), "pid_space": pid_space(), "pid": me.pid,
+                       "started": me.create_time(), "renewed": time.time(), "ttl_s": holder_ttl_s(store)}).encode()
 
 
 def holder_ttl_s(store: ArtifactStore | None) -> float:
@@ -186,7 +187,7 @@ def is_stale(record: dict, first_seen: float) -> bool:
     """Whether the lease `record` (first seen unchanged at `first_seen`, time.monotonic()) has lost its holder."""
     if age_s(record, first_seen) > record_ttl_s(record):
         return True
-    if record.get("host") != socket.gethostname() or "pid" not in record:
+    if not pid_is_checkable(record) or "pid" not in record:  # another host, or a container's own PID namespace
         return False
     try:
         return abs(psutil.Process(record["pid"]).create_time() - record.get("started", 0)) > 1.0

@@ -2,7 +2,9 @@
 nothing is left to report their end, and a deployment with a concurrency limit of 1 would wait for them forever.
 
 Each flow run records its process in its run folder (`process.json`: flow run id, host, pid and the process's
-start time, which tells a reused pid apart) and removes the file when it ends, however it ends. The next flow run
+start time, which tells a reused pid apart, and its PID space: the machine's boot id and the process's PID
+namespace, since containers that share a hostname (host networking) number their processes each on their own) and
+removes the file when it ends, however it ends. The next flow run
 started with the same `run.output_dir` finds the files of processes that are gone on this host and marks their
 flow runs, and the task runs still RUNNING in them, Crashed. Runs of other hosts are left alone: their processes
 cannot be checked from here.
@@ -16,6 +18,7 @@ short.)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,6 +37,26 @@ PROCESS_FILE = "process.json"
 SCRATCH = "tmp"
 
 
+@functools.cache
+def pid_space() -> str:
+    """This boot of this machine and this process's PID namespace ('/' where /proc has neither): pids name the same
+    process only within one."""
+    parts = []
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: str(os.stat("/proc/self/ns/pid").st_ino)):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    return "/".join(parts)
+
+
+def pid_is_checkable(record: dict) -> bool:
+    """Whether the pid of `record` (a lease or a flow run's process) names a process this one can look up: written
+    on this host in this PID space (a record without one, from before it was recorded: by host alone)."""
+    return record.get("host") == socket.gethostname() and record.get("pid_space", pid_space()) == pid_space()
+
+
 @contextmanager
 def run_scratch(run_dir: Path) -> Iterator[Path]:
     """run_dir/tmp for the block's temporary folders; removed afterwards."""
@@ -47,7 +70,8 @@ def run_scratch(run_dir: Path) -> Iterator[Path]:
 
 def record_process(run_dir: Path, flow_run_id: str) -> None:
     me = psutil.Process()
-    record = {"flow_run_id": flow_run_id, "host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}
+    record = {"flow_run_id": flow_run_id, "host": socket.gethostname(), "pid_space": pid_space(), "pid": me.pid,
+              "started": me.create_time()}
     (run_dir / PROCESS_FILE).write_text(json.dumps(record))
 
 
@@ -71,7 +95,7 @@ def orphans(output_dir: Path) -> list[tuple[Path, dict]]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being written right now, or not ours
-        if record.get("host") == socket.gethostname() and record.get("pid") != os.getpid() and is_gone(record):
+        if pid_is_checkable(record) and record.get("pid") != os.getpid() and is_gone(record):
             found.append((path.parent, record))
     return found
 

@@ -72,6 +72,19 @@ def test_a_silent_holder_is_stale_after_the_ttl():
     assert lease.is_stale(other, time.monotonic() - lease.TTL_S - 1)
 
 
+def test_a_holder_in_another_pid_namespace_of_this_host_is_not_judged_by_its_pid():
+    """Containers sharing the hostname (host networking) number processes on their own: a live holder's pid 1 is no
+    process here, and its lease was taken over at once. Its record goes stale by age alone, as another host's."""
+    record = json.loads(lease._record("in-a-container"))
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record.update(pid=int(dead_pid.stdout), started=0.0)
+    assert lease.is_stale(record, time.monotonic())  # this PID space: the pid is checked, and it is gone
+    record["pid_space"] = "another-boot/4026532999"
+    assert not lease.is_stale(record, time.monotonic())
+    record["renewed"] -= lease.TTL_S + 1  # this host's clock (one kernel): its age counts
+    assert lease.is_stale(record, time.monotonic())
+
+
 def test_a_live_holder_on_a_host_whose_clock_is_behind_keeps_its_lease(tmp_path, monkeypatch):
     """A holder on another host whose clock is 10 minutes behind ours: its renewals' times all look older than TTL_S
     here, and a waiter took the live lease over at once. Now the waiter waits while the record keeps changing, and
