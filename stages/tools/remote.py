@@ -45,7 +45,8 @@ class RemoteToolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(pattern=r"^https?://", description="Base URL of the tool server, e.g. http://host:8300.")
-    timeout_s: float = Field(default=30.0, gt=0, description="Deadline of one HTTP request (and so one call).")
+    timeout_s: float = Field(default=30.0, gt=0, description="Deadline of one HTTP request (and so one call, "
+                             "time in the server's queue included; the loop's tool_timeout_s applies when longer).")
     max_attempts: int = Field(default=3, ge=1, le=20, description="Tries per request, retries included.")
     backoff_s: float = Field(default=0.2, ge=0, description="Wait before the first retry; doubles each time.")
     max_backoff_s: float = Field(default=2.0, ge=0, description="Longest wait between two tries.")
@@ -73,6 +74,9 @@ class RemoteTool(BaseTool):
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: ToolSchema | dict | None = None):
         super().__init__(config, tool_schema)
         self.remote = RemoteToolConfig.model_validate(self.config)
+        # the request's own deadline (then an error text with the timeout metric) and the retries of connections
+        # that never opened: the loop's tool_timeout_s must not cut a call waiting in the server's queue sooner
+        self.own_timeout_s = self.remote.timeout_s + (self.remote.max_attempts - 1) * self.remote.max_backoff_s
 
     @classmethod
     def default_schema(cls) -> ToolSchema:

@@ -165,6 +165,18 @@ def test_client_timeout_is_text_and_execute_is_not_retried(server):
     assert int(run(tools["sleepy_calls"].execute("i", {})).text) == before + 1  # one call, no retry
 
 
+def test_the_loops_timeout_waits_for_the_remote_calls_own_deadline(server):
+    """A call that waits in the server's queue is cut by the request's deadline (its own timeout text), not by a
+    shorter tool_timeout_s of the loop: run_tool_call gives a remote tool at least its deadline."""
+    from stages.tools.base import ToolCall
+    from stages.tools.calls import run_tool_call
+
+    sleepy = remote_tools(server.url, timeout_s=2.0, max_attempts=1)["sleepy"]
+    assert sleepy.own_timeout_s == 2.0
+    response = run(run_tool_call(sleepy, "i", ToolCall("sleepy", {"seconds": 0.3}), timeout_s=0.1))
+    assert response.metrics["error"] == 0.0 and response.metrics["latency_s"] >= 0.3
+
+
 def test_http_errors(server):
     ghost = RemoteTool({"url": server.url, "max_attempts": 2, "backoff_s": 0.01},
                        {"function": {"name": "ghost"}})
