@@ -174,13 +174,17 @@ def test_settings_that_change_only_how_a_stage_runs_keep_its_key_and_its_checkpo
     for overrides in (["rl.async_training.rollout_timeout_s=1200"], ["rl.save_freq=5"], ["rl.max_ckpt_to_keep=4"],
                       ["rl.reward.num_workers=8"], ["rl.no_signal_steps=0"], ["rl.no_signal_frac=0.5"],
                       # what StaleEngineError and dynamic sampling's failure ask to raise
-                      ["rl.rollout.logprob_check_tol=0.05", "rl.rollout.logprob_check_tokens=8"]):
+                      ["rl.rollout.logprob_check_tol=0.05", "rl.rollout.logprob_check_tokens=8"],
+                      # what one does after running out of memory: the update does not depend on the split
+                      ["rl.actor.micro_batch_size=2", "rl.critic.micro_batch_size=4"],
+                      ["rl.actor.use_dynamic_bsz=true", "rl.actor.max_token_len_per_device=1024"]):
         assert cache_keys.stage_hash(load_config(None, overrides), rl, []) == cache_keys.stage_hash(base, rl, [])
     dapo = ["rl.algorithm.filter_groups=true"]
     assert cache_keys.stage_hash(load_config(None, [*dapo, "rl.algorithm.max_num_gen_batches=20"]), rl, []) == \
         cache_keys.stage_hash(load_config(None, dapo), rl, [])
     sft_key = cache_keys.stage_hash(base, sft, [])
     assert cache_keys.stage_hash(load_config(None, ["sft.save_freq=7"]), sft, []) == sft_key
+    assert cache_keys.stage_hash(load_config(None, ["sft.micro_batch_size=8"]), sft, []) == sft_key
     for overrides in (["rl.total_steps=3"], ["rl.reward.timeout_s=3"], ["rl.async_training.max_staleness=2"],
                       ["rl.resume_mode=disable"]):
         assert cache_keys.stage_hash(load_config(None, overrides), rl, []) != cache_keys.stage_hash(base, rl, [])
