@@ -8,6 +8,11 @@ result that names an artifact the store no longer holds (deleted as corrupt, or 
 (`live_key`). Code changes do not invalidate the cache (every manifest records the code version), so that a refactor
 never re-runs a day of RL; a fix that changes what a stage writes for the same config and inputs bumps the stage's
 entry in `OUTPUT_VERSIONS` instead, and results cached before it are not reused.
+
+`--refresh-cache` (Prefect's refresh) writes the time it started beside the cached results (`REFRESH_MARKER`), and
+a result cached before it is a miss from then on, whether the refresh finished that stage or not: resuming a refresh
+that failed (with the command the console prints, which has no --refresh-cache) must not hand back the results it
+was refreshing, nor those of the stages after the one that failed.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +36,7 @@ from prefect import get_run_logger  # noqa: E402
 from prefect.context import TaskRunContext  # noqa: E402
 from prefect.exceptions import MissingContextError  # noqa: E402
 from prefect.results import ResultStore  # noqa: E402
+from prefect.settings import get_current_settings  # noqa: E402
 
 from infra.artifacts import ArtifactRef, file_sha256  # noqa: E402
 from infra.config import Config, config_hash  # noqa: E402
@@ -48,7 +56,11 @@ def stage_key(stage: str, sections: Callable[[Config], tuple], inputs: tuple[str
     def key_fn(context: TaskRunContext | None, params: dict) -> str:
         cfg: Config = params["cfg"]
         key = f"{prefix}-{stage_hash(cfg, sections, [params[name] for name in inputs])}"
-        return live_key(key, cfg, context.result_store) if context else key  # None: called outside a task run
+        if context is None:  # called outside a task run
+            return key
+        if get_current_settings().tasks.refresh_cache:
+            note_refresh(context.result_store, str(context.task_run.flow_run_id))
+        return live_key(key, cfg, context.result_store)
 
     return key_fn
 
@@ -69,8 +81,14 @@ def live_key(key: str, cfg: Config, results: ResultStore) -> str:
     which Prefect has not cached (a miss: the task runs again and caches its result there) or under which it cached
     the re-run's result. Costs, only where a result is cached, one read of it and one manifest read per artifact ref
     in it."""
-    base, store = key, None
+    base, store, refreshed = key, None, refreshed_at(results)
     while results.exists(key):
+        if refreshed is not None and _written_before(results, key, refreshed):
+            if key == base:
+                run_logger().info("the result cached under %s is older than the last --refresh-cache run: running the "
+                                  "task again", key)
+            key = f"{base}-refresh-{hashlib.sha256(f'{key} {refreshed}'.encode()).hexdigest()[:16]}"
+            continue
         try:
             value = results.read(key).result
         except Exception:  # noqa: BLE001 - an unreadable record: Prefect's own read of it decides, as before
@@ -84,6 +102,49 @@ def live_key(key: str, cfg: Config, results: ResultStore) -> str:
                               "task again", key, ", ".join(missing), cfg.storage.root)
         key = f"{base}-{hashlib.sha256(json.dumps([key, value], default=str).encode()).hexdigest()[:16]}"
     return key
+
+
+REFRESH_MARKER = ".refresh-started"  # in the result storage's folder: {"flow_run": id, "time": epoch seconds}
+
+
+def _result_folder(results: ResultStore) -> Path | None:
+    """The local folder of the cached results (PREFECT_RESULTS_LOCAL_STORAGE_PATH); None for other storage."""
+    base = getattr(results.result_storage, "basepath", None)
+    return Path(base).expanduser() if base else None
+
+
+def note_refresh(results: ResultStore, flow_run: str) -> None:
+    """Record that a --refresh-cache flow run started now (once per flow run: its first task's key writes it)."""
+    folder = _result_folder(results)
+    if folder is None:
+        return
+    marker = folder / REFRESH_MARKER
+    try:
+        if json.loads(marker.read_text()).get("flow_run") == flow_run:
+            return
+    except (OSError, ValueError):
+        pass  # none yet, or unreadable: written below
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f"{REFRESH_MARKER}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"flow_run": flow_run, "time": time.time()}))
+    tmp.replace(marker)
+
+
+def refreshed_at(results: ResultStore) -> float | None:
+    """When the last --refresh-cache flow run started (epoch seconds), or None."""
+    folder = _result_folder(results)
+    try:
+        return float(json.loads((folder / REFRESH_MARKER).read_text())["time"]) if folder else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _written_before(results: ResultStore, key: str, when: float) -> bool:
+    folder = _result_folder(results)
+    try:
+        return folder is not None and (folder / key).stat().st_mtime < when
+    except OSError:
+        return False
 
 
 def _artifact_refs(value: object) -> list[ArtifactRef]:

@@ -141,6 +141,37 @@ def test_a_cached_result_naming_an_artifact_the_store_lost_is_a_miss(tmp_path):
     assert stages.data_prep_task.cache_key_fn(run, {"cfg": cfg}) == rerun  # and the run after it hits that
 
 
+def test_results_cached_before_a_refresh_are_misses_even_when_the_refresh_failed(tmp_path):
+    """A --refresh-cache run that failed mid-SFT, resumed with the printed command (no --refresh-cache): the old
+    SFT result was a hit (Prefect overwrites a record only when the refreshed task finishes), and so the stages
+    after it, all from before the refresh. Every result cached before the refresh started is a miss now; what the
+    refresh (or a run after it) cached is a hit."""
+    import time
+    from types import SimpleNamespace
+
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+    cfg = load_config(None, [f"storage.root={tmp_path / 'store'}"])
+    results = ResultStore(result_storage=LocalFileSystem(basepath=str(tmp_path / "results")),
+                          serializer=JSONSerializer())
+    first, refresh = (SimpleNamespace(result_store=results, task_run=SimpleNamespace(flow_run_id=run))
+                      for run in ("flow-1", "flow-2"))
+    key_of = stages.data_prep_task.cache_key_fn
+    old = key_of(first, {"cfg": cfg})
+    results.write("an old result", key=old)
+    assert key_of(first, {"cfg": cfg}) == old  # a hit
+    time.sleep(0.01)
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        during = key_of(refresh, {"cfg": cfg})  # the refresh writes its marker; it caches under this key if it ends
+    assert during != old and not results.exists(during)
+    resumed = key_of(first, {"cfg": cfg})  # the printed resume command, no refresh
+    assert resumed == during and not results.exists(resumed)  # a miss: the stage runs (from its checkpoints)
+    results.write("the refreshed result", key=resumed)
+    assert key_of(first, {"cfg": cfg}) == resumed  # and the runs after it hit that
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        assert key_of(refresh, {"cfg": cfg}) == resumed  # the same refresh run's other tasks: one marker
+
+
 def test_every_artifact_ref_in_a_cached_evaluation_record_is_checked():
     record = {"label": "base", "model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": "dataset/gsm8k@0123456789abcdef",
               "eval": "eval/base@fedcba9876543210", "engine": "hf", "acc": 0.5}
