@@ -211,10 +211,10 @@ def base_model_sections(cfg: Config) -> tuple:
 # Settings that change when or how a training stage runs, not what it trains: hashed at their defaults, so that
 # changing one (raising a timeout, a tolerance or a limit that a failure asked for, saving more often, offloading or
 # smaller micro-batches after running out of memory: the losses take global denominators, so the split does not
-# change the update) resumes the same run's checkpoints instead of starting a new run from step 0. Configs with the defaults keep the
-# keys they had. Among them the automatic (None) settings, which the workers decide per machine and the run's
-# config.yaml records as decided: rerunning that file, or a recipe that sets one to what the machine decides, finds
-# the run it came from.
+# change the update) resumes the same run's checkpoints instead of starting a new run from step 0. Configs with the
+# defaults keep the keys they had. Among them the automatic (None) settings, which the workers decide per machine
+# and the run's config.yaml records as decided: rerunning that file, or a recipe that sets one to what the machine
+# decides, finds the run it came from.
 SFT_OPERATIONAL = ("save_freq", "max_ckpt_to_keep", "offload", "micro_batch_size")
 _DEVICE = ("offload", "optimizer_offload", "reshard_after_forward", "grad_sync_every_micro_batch", "micro_batch_size",
            "use_dynamic_bsz", "max_token_len_per_device")
