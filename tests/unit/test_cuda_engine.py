@@ -593,5 +593,6 @@ def test_the_automatic_free_on_sleep_counts_the_prefix_park(monkeypatch):
     seen = []
     monkeypatch.setattr(cuda_engine, "_large_cache", lambda held, device: seen.append(held) or False)
     engine = CudaRolloutEngine(tiny_model(), EOS, max_num_seqs=4, max_model_len=40, prefix_cache_rows=4,
-                               release_memory_on_sleep=None, device="cpu", dtype=torch.float32, attention="sdpa", compile=False)
+                               release_memory_on_sleep=None, device="cpu", dtype=torch.float32, attention="sdpa",
+                               compile=False)
     assert seen == [2 * engine.decoder.kv_bytes()] and engine.decoder.kv_bytes(4) == engine.decoder.kv_bytes()
