@@ -33,8 +33,12 @@ from infra.config_sections import (
     StorageConfig,
     TrackingConfig,
 )
-from infra.redact import redact, url_credential_fields
+from infra.redact import URL_CREDENTIALS, redact, url_credential_fields
 from infra.rl_config import RLConfig
+
+CREDENTIALS_PROBLEM = ("holds a URL with credentials (user:password@ or token@); remove that part and give "
+                       "credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3), "
+                       "which is never saved")
 
 
 class ConfigError(ValueError):
@@ -59,9 +63,7 @@ class Config(Section):
         """A config is saved with every run (config.yaml, the store, Prefect's parameters): no secrets in it."""
         fields = url_credential_fields(self.model_dump(mode="json"))
         if fields:
-            raise ValueError(f"{', '.join(fields)} holds a URL with a password; remove the user:password@ part and "
-                             "give credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                             "for S3), which is never saved")
+            raise ValueError(f"{', '.join(fields)} {CREDENTIALS_PROBLEM}")
         return self
 
     @model_validator(mode="after")
@@ -263,6 +265,8 @@ def _format_error(err: dict) -> str:
             return f"unknown key {key!r} (value {redact(repr(value))}); {loc[2]} {variant!r} takes: {allowed}"
         allowed = _allowed_fields(loc[:-1])
         return f"unknown key {key!r} (value {redact(repr(value))}); allowed here: {', '.join(allowed)}"
+    if isinstance(value, str) and URL_CREDENTIALS.search(value):  # the field's own message may quote the secret
+        return f"{key} = {redact(repr(value))}: {CREDENTIALS_PROBLEM}"
     message = err["msg"].removeprefix("Value error, ")
     if not loc:  # a check across sections: its message names the keys
         return message
