@@ -20,7 +20,11 @@ from infra.trainer_config import OptimConfig
 class RunConfig(Section):
     name: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Run name; used in run folders.")
     seed: int = Field(0, ge=0, description="Global seed: data generation, model init, sampling.")
-    output_dir: str = Field("outputs", min_length=1, description="Local folder for run folders and Prefect state.")
+    output_dir: str = Field(
+        "outputs", min_length=1,
+        description="Local folder for run folders (`runs/<run_id>/`). Not Prefect's state: that is in the project's "
+        "outputs/.prefect (or $PREFECT_HOME), fixed before any config is read (infra/prefect_env.py).",
+    )
     source_overrides: dict[str, list[str]] = Field(
         default_factory=dict, description="A record of the overrides given in verl's keys (`--verl KEY=VALUE`, "
         "infra/verl_overrides.py), each with the overrides of this config it became ([]: none). The run reads the "

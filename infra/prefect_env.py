@@ -1,8 +1,10 @@
 """Where Prefect keeps its state: inside the project's `outputs/` folder unless the user says otherwise.
 
 Prefect reads its settings from the environment when it is imported, so `configure()` runs before any
-`import prefect` (from `flows/__init__.py` and `tasks/__init__.py`). Every variable is only a default:
-a user's own PREFECT_HOME / PREFECT_API_URL (a real server, a deployment's worker) wins.
+`import prefect` (at the top of flows/post_train.py, tasks/stages.py and tasks/cache_keys.py). Every variable is
+only a default: a user's own PREFECT_HOME / PREFECT_API_URL (a real server, a deployment's worker) wins, and so
+does the user's profile (`prefect config set ...`, in ~/.prefect/profiles.toml), which moving PREFECT_HOME would
+otherwise hide.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ PACKAGES = ("stages", "infra", "data", "tasks", "flows")
 
 
 def configure() -> None:
+    _keep_user_profiles()
     home = Path(os.environ.setdefault("PREFECT_HOME", str(PROJECT_DIR / "outputs" / ".prefect")))
     home.mkdir(parents=True, exist_ok=True)  # Prefect does not create missing parents
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "results"))
@@ -31,3 +34,15 @@ def configure() -> None:
     for name in PACKAGES:  # Prefect forwards these to the run's logs, but leaves their level at WARNING
         logging.getLogger(name).setLevel(logging.INFO)
 
+
+def _keep_user_profiles() -> None:
+    """Prefect reads profiles from $PREFECT_HOME/profiles.toml once PREFECT_HOME is set, so moving PREFECT_HOME
+    into outputs/ would drop the user's `prefect config set PREFECT_API_URL=...`. Point Prefect back at the file it
+    would have read (Prefect 3's settings/sources.py: ~/.prefect/profiles.toml when it exists); without one Prefect
+    uses its packaged profiles (a temporary local server), as before. A user's own PREFECT_HOME or
+    PREFECT_PROFILES_PATH already says where the profiles are."""
+    if "PREFECT_HOME" in os.environ or "PREFECT_PROFILES_PATH" in os.environ:
+        return
+    profiles = Path.home() / ".prefect" / "profiles.toml"
+    if profiles.is_file():
+        os.environ["PREFECT_PROFILES_PATH"] = str(profiles)
