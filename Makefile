@@ -52,7 +52,9 @@ test: venv
 test-kernels: $(TRITON_STAMP)
 	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR):$(CURDIR)/$(TRITON) $(PY) -m pytest -q -m triton -W error::RuntimeWarning
 
+# A running persistent Ray head (make ray-up) is stopped first: outputs/ray/cluster.json is all that finds it.
 clean:
+	@if [ -f outputs/ray/cluster.json ]; then $(MAKE) --no-print-directory ray-down; fi
 	rm -rf outputs
 
 # A persistent local Ray head for runs with ray.address=... (infra/cluster.py); `make ray-up ARGS="--port 6380"`.

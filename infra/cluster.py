@@ -161,6 +161,8 @@ def up(port: int = DEFAULT_PORT, num_cpus: int | None = None, state_dir: Path = 
     state = ClusterState.read(state_dir)
     if state and is_running(state):
         return state
+    if state and (left := leftovers(state)):  # a new cluster.json would lose them: only `down` finds them
+        raise ClusterError(leftovers_message(state, left, state_dir))
     _check_port_free(port)
     temp_dir = temp_dir or os.path.join(tempfile.gettempdir(), f"rlpipe-ray-{port}")  # short: Ray's socket paths
     env = _head_env()
@@ -192,8 +194,8 @@ def down(state_dir: Path = DEFAULT_STATE_DIR, timeout_s: float = 60) -> ClusterS
         return None
     if is_running(state):
         _stop_session(state.pid, grace_s=timeout_s)
-    else:  # the leader crashed: stop what is left of its session (Linux does not reuse a pid that is still
-        _kill_members(state.pid, signal.SIGKILL)  # some process's session id, so these are the head's)
+    else:  # the leader crashed: stop what is left of its session
+        _kill(leftovers(state), signal.SIGKILL)
     (state_dir / "cluster.json").unlink()
     return state
 
@@ -209,6 +211,33 @@ def is_running(state: ClusterState) -> bool:
         return False
     return (status != psutil.STATUS_ZOMBIE and "start" in cmdline and "--head" in cmdline
             and any("ray" in part for part in cmdline[:2]))
+
+
+def leftovers(state: ClusterState) -> list[int]:
+    """Live processes of the head's session whose leader (not running) is gone: Linux does not reuse a pid that is
+    still some process's session id, so these are the head's. A live process with the leader's pid that is not our
+    `ray start` took the pid over after the whole session ended: its session, if any, is not the head's."""
+    import psutil
+
+    try:
+        if psutil.Process(state.pid).status() != psutil.STATUS_ZOMBIE:
+            return []
+    except psutil.NoSuchProcess:
+        pass
+    return session_members(state.pid)
+
+
+def leftovers_message(state: ClusterState, left: list[int], state_dir: Path) -> str:
+    """The recorded head's leader is gone but processes of its session (`left`: gcs_server, raylet, ...) still run.
+    `up` does not stop them itself: without the leader the node can still serve runs attached to it."""
+    return (f"the Ray head recorded in {state_dir / 'cluster.json'} lost its leader (pid {state.pid} is gone), but "
+            f"{len(left)} of its processes still run (pids {' '.join(map(str, left))}; they may hold port {state.port} "
+            f"and serve runs attached to ray.address={state.address}): stop them with `{_command(state_dir, 'down')}`,"
+            f" then start the head again with `{_command(state_dir, 'up')}`")
+
+
+def _command(state_dir: Path, verb: str) -> str:
+    return "python -m infra.cluster " + ("" if state_dir == DEFAULT_STATE_DIR else f"--state-dir {state_dir} ") + verb
 
 
 def resources(state: ClusterState) -> dict[str, dict[str, float]]:
@@ -289,7 +318,7 @@ def _stop_session(leader: int, grace_s: float) -> None:
     while session_members(leader) and time.monotonic() < deadline:
         _reap(leader)
         time.sleep(0.5)
-    _kill_members(leader, signal.SIGKILL)
+    _kill(session_members(leader), signal.SIGKILL)
     _reap(leader)
 
 
@@ -307,8 +336,8 @@ def session_members(session: int) -> list[int]:
     return found
 
 
-def _kill_members(session: int, sig: int) -> None:
-    for pid in session_members(session):
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -363,8 +392,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     state = ClusterState.read(args.state_dir)
     if state is None or not is_running(state):
-        print(f"not running ({'stale state: pid %d is gone' % state.pid if state else 'no state'} in "
-              f"{args.state_dir}); start it with `python -m infra.cluster up`")
+        left = leftovers(state) if state else []
+        print(f"not running: {leftovers_message(state, left, args.state_dir)}" if left else
+              f"not running ({'stale state: pid %d is gone' % state.pid if state else 'no state'} in "
+              f"{args.state_dir}); start it with `{_command(args.state_dir, 'up')}`")
         return 1
     res = resources(state)
     cpus = f"CPU {res['available'].get('CPU', 0):g}/{res['total'].get('CPU', 0):g} free"
