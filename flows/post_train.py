@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -230,7 +231,8 @@ def verl_only(key: str) -> bool:
 def preflight(cfg: Config) -> None:
     """What the config names outside itself, checked before anything runs or is written: the store can be
     written, local files and folders exist, local data has the columns of a layout data prep reads, the cluster has
-    the devices asked for, the reward function loads. Raises ConfigError naming the field."""
+    the devices asked for, a Ray head listens at ray.address, the reward function loads. Raises ConfigError naming the
+    field."""
     from data.files import check_columns
     from infra.store import StoreError
     from stages.rewards.custom import load_reward_fn
@@ -254,6 +256,7 @@ def preflight(cfg: Config) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     _check_local_cluster(cfg)
+    _check_ray_address(cfg.ray.address)
     reward = cfg.rl.reward
     if cfg.rl.enabled and reward.custom_path:
         try:
@@ -297,6 +300,34 @@ def _check_local_cluster(cfg: Config) -> None:
             check_fits(cfg.ray, local_nodes(cfg.ray))
         except ClusterTooSmall as exc:
             raise ConfigError(str(exc)) from None
+
+
+RAY_CONNECT_TIMEOUT_S = 3
+
+
+def _check_ray_address(address: str | None) -> None:
+    """A `ray.address` of the form host:port (or ray://host:port) must have something listening there. Else Ray's
+    driver retried the connection for ~14 minutes in RL or evaluation, after data prep and SFT had run, and Prefect
+    retried the stage. 'auto' (a node's own cluster) and an address of another form are left to ray.init."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S):
+            return
+    except TimeoutError:
+        reason = f"no answer within {RAY_CONNECT_TIMEOUT_S} s"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    # ray://'s port is the Ray client server's, not the head's: no --port to suggest for it
+    default = port == "6379" or address.startswith("ray://")
+    start = "make ray-up" if default else f'make ray-up ARGS="--port {port}"'
+    raise ConfigError(f"ray.address={address}: no Ray cluster listens there ({reason}). Start its head on that host "
+                      f"first (`{start}`, which runs `python -m infra.cluster up`; `python -m infra.cluster status` "
+                      "shows a running one's address), or set ray.address=null to have each stage start a local Ray "
+                      "cluster")
 
 
 def main(argv: list[str]) -> int:

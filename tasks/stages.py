@@ -114,8 +114,10 @@ def open_store(cfg: Config) -> ArtifactStore:
 
 
 # Failures that a second attempt meets again: a bad value, a missing file, a user's reward function that
-# raises, a corrupt artifact, a lease another run holds now. Retrying them doubled the time to fail and printed
-# the error twice; what remains retried is what can pass on a second attempt (a stalled store, a dead worker).
+# raises, a corrupt artifact, a lease another run holds now, a ray.address with no cluster (`RayUnreachable`, a
+# ValueError: ConnectionError itself is an OSError, as a stalled store's errors are). Retrying them doubled the time
+# to fail and printed the error twice; what remains retried is what can pass on a second attempt (a stalled store, a
+# dead worker).
 REPEATABLE = (ValueError, TypeError, LookupError, AttributeError, ImportError, NotImplementedError, FileNotFoundError,
               PermissionError, RewardFailedError, CorruptArtifactError, UnsafeCheckpointError, LeaseLost)
 

@@ -57,6 +57,11 @@ def worker_env(cfg: RayConfig) -> dict[str, str]:
     return env
 
 
+class RayUnreachable(ValueError):
+    """ray.init could not connect to `ray.address` (after Ray's own retries, ~14 minutes): a config error, not
+    retried (tasks/stages.py `transient`), since a second attempt meets the same missing head and waits as long."""
+
+
 def init_ray(cfg: RayConfig) -> bool:
     """Attach to `cfg.address` or start a local cluster; returns True when this call started Ray."""
     import ray
@@ -74,8 +79,14 @@ def init_ray(cfg: RayConfig) -> bool:
         from infra.cluster import attach_auth
 
         attach_auth()  # a `ray start` cluster uses token authentication when a token exists
-        ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True,
-                 configure_logging=False)
+        try:
+            ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True,
+                     configure_logging=False)
+        except ConnectionError as exc:  # an OSError, which `transient` retries; this one a retry meets again
+            raise RayUnreachable(
+                f"ray.address={cfg.address}: no Ray cluster answered there ({exc}). Start its head first "
+                "(`make ray-up`, which runs `python -m infra.cluster up`; `python -m infra.cluster status` shows a "
+                "running one's address), or set ray.address=null to have each stage start a local Ray cluster") from exc
         logger.info("attached to Ray cluster at %s", cfg.address)
     else:  # "local": a new cluster even when `ray start` runs on this machine (ray.init() would attach to it)
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=runtime_env,

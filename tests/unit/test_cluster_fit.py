@@ -4,7 +4,9 @@ which Prefect does not retry, and the command line refuses it before the flow st
 
 from __future__ import annotations
 
+import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,7 +14,7 @@ from flows.post_train import main, preflight
 from infra.cluster import ClusterTooSmall, check_fits
 from infra.config import ConfigError, load_config
 from infra.config_sections import RayConfig
-from tasks.stages import REPEATABLE
+from tasks.stages import REPEATABLE, transient
 
 
 def cpu(n: float) -> dict[str, float]:
@@ -87,6 +89,65 @@ def test_preflight_leaves_a_run_without_placement_and_a_remote_cluster_alone(tmp
                                   "ray.num_devices_per_node=32"]))
     with pytest.raises(ConfigError, match="ray.num_devices_per_node=4 asks"):
         preflight(load_config(None, [store, "ray.num_cpus=1", "ray.num_devices_per_node=4"]))  # SFT on 4 ranks
+
+
+def unused_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_before_the_flow_starts(tmp_path, capsys):
+    """Ray's driver retried the connection for ~14 minutes in RL, after data prep and SFT had run, twice."""
+    address, store = f"127.0.0.1:{unused_port()}", f"storage.root={tmp_path / 'store'}"
+    with pytest.raises(ConfigError, match=r"^ray\.address=ray://127\.0\.0\.1:\d+: no Ray cluster listens there"):
+        preflight(load_config(None, [store, f"ray.address=ray://{address}"]))
+    with pytest.raises(ConfigError):  # first, so that a preflight that lets it pass does not start the flow below
+        preflight(load_config(None, [store, f"ray.address={address}"]))
+    start = time.monotonic()
+    assert main([store, f"run.output_dir={tmp_path / 'out'}", f"ray.address={address}"]) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: ray.address={address}: no Ray cluster listens there (Connection refused). "), err
+    assert "`make ray-up ARGS=\"--port" in err and "ray.address=null" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_ray_address_where_something_listens_passes_preflight(tmp_path):
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        preflight(load_config(None, [f"storage.root={tmp_path / 'store'}",
+                                      f"ray.address=127.0.0.1:{head.getsockname()[1]}"]))
+
+
+def retried(error: BaseException) -> bool:
+    return transient(None, None, SimpleNamespace(result=lambda raise_on_failure=False: error))
+
+
+def test_ray_init_failing_to_connect_is_a_config_error_that_is_not_retried(monkeypatch):
+    """ray.init's ConnectionError (an OSError, like a stalled store's, which stays retried) was retried: another
+    ~14 minutes against the same missing head."""
+    import ray
+
+    from infra.store_base import StoreError
+    from stages.workers.group import init_ray
+
+    def refuse(address, **_):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {address}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr("infra.cluster.attach_auth", lambda: None)
+    with pytest.raises(Exception) as info:
+        init_ray(RayConfig(address="127.0.0.1:1"))
+    assert not retried(info.value)
+    assert type(info.value).__name__ == "RayUnreachable" and isinstance(info.value.__cause__, ConnectionError)
+    assert str(info.value).startswith("ray.address=127.0.0.1:1: no Ray cluster answered there (Failed to connect to "
+                                      "Ray cluster at 127.0.0.1:1). Start its head first (`make ray-up`")
+    assert retried(StoreError("s3://bucket: no answer within 18 s"))
+    assert retried(ConnectionError("the store's endpoint dropped the connection"))
 
 
 @pytest.mark.slow
