@@ -84,8 +84,9 @@ def refresh_cache() -> bool:
 class RefreshedCheckpoints(StoreCheckpoints):
     """A stage's checkpoints under --refresh-cache: the stage trains again from step 0, so it resumes only from a
     checkpoint this flow run saved (a retry of the task), never from an earlier run's (which may come from older
-    code: what a refresh is for). RL removes the earlier run's checkpoints, then its trajectory tables, when it
-    starts from step 0 (`RLTrainer.resume`); SFT's first `save` replaces them as usual; `latest` says so."""
+    code: what a refresh is for). `latest` removes an earlier run's checkpoints at once and says so (a refresh that
+    failed before its first save left them, and a plain resume then took the old final checkpoint for SFT's); RL
+    then removes its trajectory tables too (`RLTrainer.resume`)."""
 
     def latest(self) -> Path | None:
         newest = self.latest_ref()
@@ -95,8 +96,9 @@ class RefreshedCheckpoints(StoreCheckpoints):
         if manifest.metadata.get("flow_run") != self.metadata["flow_run"]:
             run_logger().warning(
                 "--refresh-cache: %s trains again from step 0 instead of resuming from %s (step %s, saved by flow run "
-                "%s); that run's checkpoints (and, for RL, its trajectory tables) are replaced by this run's",
+                "%s); that run's checkpoints (and, for RL, its trajectory tables) are removed",
                 self.name, newest, manifest.metadata.get("step"), manifest.metadata.get("flow_run"))
+            self.clear()
             return None
         return super().latest()
 

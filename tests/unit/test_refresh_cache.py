@@ -60,6 +60,15 @@ def test_rl_with_refresh_cache_trains_again_from_step_0(rl, caplog):
     assert f"instead of resuming from {final} (step 4, saved by flow run earlier)" in caplog.text
 
 
+def test_a_refresh_removes_the_earlier_runs_checkpoints_before_it_trains(rl):
+    """A refresh that failed before its first save left them: SFT's plain resume (the printed command) then took
+    the old final checkpoint and wrote the old model again."""
+    run, _, _, (store, name) = rl
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}), pytest.raises(Trained):
+        run()
+    assert store.versions("checkpoint", name) == []
+
+
 def test_a_retry_under_refresh_cache_resumes_from_its_own_run(rl, tmp_path):
     run, _, resumed_from, (store, name) = rl
     _checkpoint(store, tmp_path, name, 2, flow_run="now")  # the refreshed run saved step 2, then failed
