@@ -268,8 +268,10 @@ def _format_error(err: dict) -> str:
     if isinstance(value, str) and URL_CREDENTIALS.search(value):  # the field's own message may quote the secret
         return f"{key} = {redact(repr(value))}: {CREDENTIALS_PROBLEM}"
     message = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a check across sections: its message names the keys
+    if not loc or message.startswith(f"{key}."):  # a check across sections or fields naming its keys in full
         return message
+    if isinstance(value, dict):  # a check across a section's fields: the section, then what its message says
+        return f"{key}: {message}"
     shown = redact(repr(value)) if not isinstance(value, dict) else "{...}"
     return f"{key} = {shown}: {message}"
 

@@ -170,8 +170,8 @@ class SFTConfig(Section):
     def _micro_divides_batch(self) -> SFTConfig:
         if self.train_batch_size % self.micro_batch_size:
             raise ValueError(
-                f"train_batch_size={self.train_batch_size} must be a multiple of "
-                f"micro_batch_size={self.micro_batch_size}"
+                f"sft.train_batch_size={self.train_batch_size} must be a multiple of "
+                f"sft.micro_batch_size={self.micro_batch_size}: change either"
             )
         return self
 

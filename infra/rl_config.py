@@ -241,8 +241,9 @@ class RLConfig(Section):
     def _batch_sizes_divide(self) -> RLConfig:
         if self.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
-                f"train_batch_size={self.train_batch_size} must be a multiple of "
-                f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}"
+                f"rl.train_batch_size={self.train_batch_size} must be a multiple of "
+                f"rl.actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (prompts per optimizer step): raise "
+                "the first or lower the second"
             )
         return self
 

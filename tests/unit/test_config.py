@@ -76,7 +76,7 @@ def test_every_bad_key_is_reported_at_once():
 
 
 def test_cross_field_check_names_both_fields():
-    with pytest.raises(ConfigError, match="train_batch_size=30 must be a multiple of micro_batch_size=8"):
+    with pytest.raises(ConfigError, match="sft.train_batch_size=30 must be a multiple of sft.micro_batch_size=8"):
         load_config(None, ["sft.train_batch_size=30", "sft.micro_batch_size=8"])
 
 
