@@ -107,12 +107,14 @@ def _parsed(text: str) -> list[tuple[int, str]]:
 
 
 class WandbBackend:
-    def __init__(self, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict):
+    def __init__(self, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict, group: str | None = None):
+        """`group`: the stage run (`rl-<key>`), the same for each flow run that resumes it, so that wandb shows a
+        resumed run's pieces together."""
         import wandb
 
         os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=cfg.project, name=run_name, dir=str(run_dir), config=config,
+        self.run = wandb.init(project=cfg.project, name=run_name, group=group, dir=str(run_dir), config=config,
                               mode=cfg.wandb_mode, reinit="create_new")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -216,12 +218,14 @@ class Tracker:
         self.backends = backends
 
     @classmethod
-    def from_config(cls, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict | None = None) -> Tracker:
-        """The backends `cfg.backends` names; if one fails to start, those already started are closed."""
+    def from_config(cls, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict | None = None,
+                    group: str | None = None) -> Tracker:
+        """The backends `cfg.backends` names; if one fails to start, those already started are closed. `group`: the
+        stage run this flow run's piece belongs to (wandb's group)."""
         backends: list[Backend] = []
         with ExitStack() as started:
             for name in cfg.backends:
-                backends.append(_make_backend(name, cfg, run_name, run_dir, config or {}))
+                backends.append(_make_backend(name, cfg, run_name, run_dir, config or {}, group))
                 started.callback(backends[-1].finish)
             started.pop_all()
         return cls(backends)
@@ -244,13 +248,14 @@ class Tracker:
         self.finish()
 
 
-def _make_backend(name: str, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict) -> Backend:
+def _make_backend(name: str, cfg: TrackingConfig, run_name: str, run_dir: Path, config: dict,
+                  group: str | None = None) -> Backend:
     if name == "console":
         return ConsoleBackend(cfg.log_freq)
     if name == "jsonl":
         return JsonlBackend(run_dir / f"{run_name}.metrics.jsonl")
     if name == "wandb":
-        return WandbBackend(cfg, run_name, run_dir, config)
+        return WandbBackend(cfg, run_name, run_dir, config, group)
     if name == "prometheus":
         return PrometheusBackend(cfg, run_name)
     raise ValueError(f"tracking.backends: unknown backend {name!r}; use console, jsonl, wandb or prometheus")

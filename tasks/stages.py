@@ -212,7 +212,7 @@ def sft_task(cfg: Config, dataset: str, base_model: str, ctx: RunContext) -> str
         made = [m.ref for m in store.versions("model", "sft") if m.config_hash == key]
         if made and not refresh_cache():  # a concurrent flow with the same config
             return str(made[-1])  # trained it while this one waited for the lease
-        with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft") as tracker, \
+        with tempfile.TemporaryDirectory(dir=ctx.tmp_dir) as tmp, _tracker(cfg, ctx, "sft", f"sft-{key}") as tracker, \
                 bars_closed_on_error():
             result = run_sft(cfg, local_model_path(store, base_model), data_dir, Path(tmp), checkpoints, tracker)
             ref = store.put_dir("model", "sft", Path(tmp), inputs=inputs, config_hash=key,
@@ -247,7 +247,7 @@ def rl_task(cfg: Config, dataset: str, init_model: str, ctx: RunContext) -> str:
         final = checkpoints.at_step(cfg.rl.total_steps)
         if final and not refresh_cache():  # a concurrent flow with the same config trained it while this one
             return str(final)  # waited for the lease
-        with _tracker(cfg, ctx, "rl") as tracker, bars_closed_on_error():
+        with _tracker(cfg, ctx, "rl", run_id) as tracker, bars_closed_on_error():
             result = run_rl(cfg, local_model_path(store, init_model), data_dir, checkpoints,
                             RunTables(store, run_id), tracker)
     record_automatic_settings(store, ctx, result.automatic)
@@ -339,5 +339,7 @@ def report_task(cfg: Config, rl_checkpoint: str, ctx: RunContext) -> str:
     get_run_logger().info("run report: %s", url)
     return url
 
-def _tracker(cfg: Config, ctx: RunContext, stage: str) -> Tracker:
-    return Tracker.from_config(cfg.tracking, f"{ctx.run_id}-{stage}", Path(ctx.run_dir), cfg.model_dump(mode="json"))
+def _tracker(cfg: Config, ctx: RunContext, stage: str, stage_run: str) -> Tracker:
+    """This flow run's tracking of `stage`; `stage_run` (sft-<key>, rl-<key>) groups the flow runs that resume it."""
+    return Tracker.from_config(cfg.tracking, f"{ctx.run_id}-{stage}", Path(ctx.run_dir), cfg.model_dump(mode="json"),
+                               group=stage_run)

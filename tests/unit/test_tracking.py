@@ -32,8 +32,10 @@ def test_jsonl_and_console(tmp_path, caplog):
 def test_wandb_offline_writes_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = TrackingConfig(backends=["wandb"], wandb_mode="offline", project="rlpipe-test")
-    with Tracker.from_config(cfg, "run", tmp_path, config={"sft": {"epochs": 1}}) as t:
+    with Tracker.from_config(cfg, "run", tmp_path, config={"sft": {"epochs": 1}}, group="rl-0123") as t:
         t.log({"train/loss": 1.0}, step=1)
+        [backend] = t.backends
+        assert backend.run.group == "rl-0123"  # the flow runs that resume one stage run, together in wandb
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
