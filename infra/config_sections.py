@@ -80,8 +80,10 @@ class DataConfig(Section):
     columns: ColumnMapping = Field(default_factory=ColumnMapping)
     data_source: str = Field("custom", min_length=1, description="data_source for file rows without one.")
     validation_fraction: float = Field(0.1, gt=0, lt=1, description="source=file: share held out.")
-    max_train_samples: int | None = Field(None, gt=0, description="Cap on training rows (None: all).")
-    max_validation_samples: int | None = Field(None, gt=0, description="Cap on held-out rows (None: all).")
+    max_train_samples: int | None = Field(None, gt=0, description="Cap on training rows, drawn at random with "
+                                          "run.seed (None: all).")
+    max_validation_samples: int | None = Field(None, gt=0, description="Cap on held-out rows, drawn at random with "
+                                               "run.seed (None: all).")
     max_prompt_length: int = Field(128, gt=0, description="Prompt tokens (chat template applied).")
     max_response_length: int = Field(64, gt=0, description="Response tokens for SFT targets and rollouts.")
     filter_overlong_prompts: bool = Field(True, description="Drop prompts over max_prompt_length (counted).")

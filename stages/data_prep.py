@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,8 +104,9 @@ def _warn_validation_in_train(train: list, validation: list) -> None:
 def run_data_prep(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     """Build the dataset of `cfg.source` and write the RL and SFT splits plus stats.json to `out_dir`."""
     splits = RECIPES[cfg.source](cfg, seed)
-    train, train_dropped = _cap(splits.train, cfg.max_train_samples, "data.max_train_samples")
-    validation, validation_dropped = _cap(splits.validation, cfg.max_validation_samples, "data.max_validation_samples")
+    train, train_dropped = _cap(splits.train, cfg.max_train_samples, "data.max_train_samples", seed)
+    validation, validation_dropped = _cap(splits.validation, cfg.max_validation_samples, "data.max_validation_samples",
+                                          seed)
     for name, rows in (("train", train), ("validation", validation)):
         if not rows:
             raise ValueError(f"data.source={cfg.source}: the {name} split is empty; check the input or its bad rows")
@@ -144,11 +146,14 @@ def _about(extra: list[Example], train: list[Example]) -> list[Example]:
     return [e for e in extra if e.index in kept]
 
 
-def _cap(examples: list[Example], cap: int | None, key: str) -> tuple[list[Example], int]:
+def _cap(examples: list[Example], cap: int | None, key: str, seed: int) -> tuple[list[Example], int]:
+    """`cap` rows drawn at random (seeded; kept in their order), as verl's train_max_samples / val_max_samples with
+    its default shuffle: the first rows of a file sorted by source would all be one source."""
     if cap is None or len(examples) <= cap:
         return examples, 0
-    logger.info("%s=%d: keeping the first %d of %d rows", key, cap, cap, len(examples))
-    return examples[:cap], len(examples) - cap
+    kept = sorted(random.Random(f"{key}-{seed}").sample(range(len(examples)), cap))
+    logger.info("%s=%d: keeping %d of %d rows, drawn at random (run.seed)", key, cap, cap, len(examples))
+    return [examples[i] for i in kept], len(examples) - cap
 
 
 def rl_schema(examples: list[Example]) -> pa.Schema:
@@ -156,7 +161,7 @@ def rl_schema(examples: list[Example]) -> pa.Schema:
     schema = RL_SCHEMA
     if any(e.agent_name for e in examples):
         schema = schema.append(pa.field("agent_name", pa.string()))
-    extras = [e.extra for e in examples]
+    extras = [_parquet_extra(e.extra) for e in examples]
     if not any(extras):
         return schema
     try:
@@ -167,6 +172,22 @@ def rl_schema(examples: list[Example]) -> pa.Schema:
     return schema.set(schema.get_field_index("extra_info"), pa.field("extra_info", extra_info))
 
 
+def _parquet_extra(extra: dict) -> dict:
+    """extra_info as Parquet can hold it: an empty mapping inside (`create_kwargs: {}`, a tool without per-row
+    arguments) is a struct without fields, which Parquet cannot write; it becomes None, which the readers take for
+    {} (stages/agent/tool_loop.py `_create_kwargs`)."""
+    return {key: _no_empty_mappings(value) for key, value in extra.items()}
+
+
+def _no_empty_mappings(value):
+    if isinstance(value, dict):
+        value = {key: _no_empty_mappings(item) for key, item in value.items()}
+        return value or None
+    if isinstance(value, list):
+        return [_no_empty_mappings(item) for item in value]
+    return value
+
+
 def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table:
     rows = [
         {
@@ -174,7 +195,8 @@ def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table
             "prompt": e.prompt,
             "ability": e.ability,
             "reward_model": {"style": "rule", "ground_truth": e.ground_truth},
-            "extra_info": {**e.extra, "split": split, "index": e.index, "question": e.question, "answer": e.answer},
+            "extra_info": {**_parquet_extra(e.extra), "split": split, "index": e.index, "question": e.question,
+                           "answer": e.answer},
             "agent_name": e.agent_name,
         }
         for e in examples

@@ -248,6 +248,32 @@ def test_file_verl_schema_passthrough(tmp_path):
     assert {s["response"] for s in rows(tmp_path / "out" / "sft_train.parquet")} <= {f"#### {i}" for i in range(10)}
 
 
+def test_caps_draw_rows_at_random_not_the_files_first(tmp_path):
+    """A file sorted by source (500 gsm8k rows, then 500 math): the first 200 were all gsm8k, as verl's shuffled
+    train_max_samples never is."""
+    data = write_jsonl(tmp_path / "sorted.jsonl", [{"question": f"q{i}", "answer": f"#### {i}",
+                                                    "src": "gsm8k" if i < 500 else "math"} for i in range(1000)])
+    cfg = DataConfig(source="file", path=str(data), columns=ColumnMapping(data_source="src"), max_train_samples=200,
+                     max_validation_samples=20)
+    stats = run_data_prep(cfg, 0, tmp_path / "out")
+    assert (stats["num_train"], stats["num_validation"]) == (200, 20)
+    assert set(stats["data_sources"]) == {"gsm8k", "math"}
+    again = run_data_prep(cfg, 0, tmp_path / "again")  # the same seed: the same rows
+    assert rows(tmp_path / "again" / "train.parquet") == rows(tmp_path / "out" / "train.parquet") and again == stats
+
+
+def test_empty_kwargs_in_verl_extra_info_are_written(tmp_path):
+    """`create_kwargs: {}` (a tool without per-row arguments) is a struct without fields, which Parquet cannot
+    write: data prep failed with pyarrow's ArrowNotImplementedError. Written as None, which the loop takes for {}."""
+    verl_rows = [{"data_source": "mine", "prompt": [{"role": "user", "content": f"Q{i}?"}],
+                  "reward_model": {"style": "rule", "ground_truth": str(i)}, "agent_name": "tool_agent",
+                  "extra_info": {"tools_kwargs": {"clock": {"create_kwargs": {}}}, "other": {}}} for i in range(10)]
+    data = write_jsonl(tmp_path / "verl.jsonl", verl_rows)
+    run_data_prep(DataConfig(source="file", path=str(data), validation_fraction=0.2), 0, tmp_path / "out")
+    [row, *_] = rows(tmp_path / "out" / "train.parquet")
+    assert row["extra_info"]["tools_kwargs"] == {"clock": {"create_kwargs": None}} and row["extra_info"]["other"] is None
+
+
 def test_file_mapped_column_absent(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": "x", "solution": "1"}] * 3)
     with pytest.raises(ValueError, match=r"data.columns.answer='answer' is not a column.*\['question', 'solution'\]"):
