@@ -222,13 +222,24 @@ def _gather_rows(shards: dict[str, DTensor]) -> dict[str, torch.Tensor]:
 # ---- checkpoints (DCP) ----------------------------------------------------------------------------
 
 
+UNSTEPPED = "optimizer_unstepped"  # a file in the DCP folder: saved before the optimizer's first step
+
+
 def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
     """Sharded weights and optimizer state (each rank its own shards) plus the LR scheduler, in a DCP folder.
 
-    A collective: every rank calls it with the same `folder` (on a file system all ranks see)."""
+    A collective: every rank calls it with the same `folder` (on a file system all ranks see). torch's
+    `get_optimizer_state_dict` creates the state of an optimizer that has not stepped by stepping it once with lr 0:
+    AdamW's counter then read 1, and the first real update was ~0.74x (bias correction of step 2). Such a save
+    (an actor saved during the critic's warmup) forgets that state again and says so in `UNSTEPPED`."""
+    unstepped = not optimizer.state
     state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer),
              "scheduler": scheduler.state_dict()}
     dcp.save(state, checkpoint_id=str(folder))
+    if unstepped:
+        _forget_state(optimizer)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            (Path(folder) / UNSTEPPED).touch()
 
 
 def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
@@ -242,7 +253,17 @@ def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opt
         dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(folder=folder))
     set_model_state_dict(module, state["model"])
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
+    if (Path(folder) / UNSTEPPED).is_file():
+        _forget_state(optimizer)
     scheduler.load_state_dict(state["scheduler"])
+
+
+def _forget_state(optimizer: torch.optim.Optimizer) -> None:
+    """Back to an optimizer that has never stepped (its state is made at its first step)."""
+    optimizer.state.clear()
+    if hasattr(optimizer, "_host"):  # OffloadedAdamW's host copies of the moments
+        optimizer._host.clear()
+        optimizer._offloaded = False
 
 
 def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> dict[str, torch.Tensor]:

@@ -106,3 +106,30 @@ def test_a_checkpoint_resumes_the_dropout_stream(tmp_path):
     torch.manual_seed(8)  # the resumed process starts from its own seed
     engine.load(tmp_path)
     assert torch.equal(torch.nn.functional.dropout(torch.ones(16), 0.5), expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as intended
+def test_a_checkpoint_before_the_first_step_changes_nothing_that_is_trained(tmp_path):
+    """torch's get_optimizer_state_dict makes an unstepped optimizer's state by a step with lr 0: an actor saved
+    during the critic's warmup then took its first update as AdamW's step 2 (~0.74x), and so did a run resumed from
+    that checkpoint."""
+    cfg = TrainerConfig(micro_batch_size=4, grad_sync_every_micro_batch=True, reshard_after_forward=True)
+    batch = build_batch([[1, 2]] * 4, [[3, 4, 5]] * 4, [[0.0] * 3] * 4, pad_token_id=0)
+
+    def first_update(save: bool, resume: bool = False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        engine = TrainEngine("actor", model, cfg, total_steps=4, mini_rows=4)
+        folder = tmp_path / f"ckpt-{save}-{resume}"
+        if save:
+            folder.mkdir()
+            engine.save(folder)
+        if resume:
+            engine.load(folder)
+        engine.update(batch, lambda micro, den: (model(torch.ones(3)).sum(), {}))
+        return model.weight.detach().clone(), float(engine.optimizer.state[model.weight]["step"])
+
+    plain = first_update(save=False)
+    assert plain[1] == 1.0
+    for saved in (first_update(save=True), first_update(save=True, resume=True)):
+        assert saved[1] == 1.0 and torch.equal(saved[0], plain[0])
