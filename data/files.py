@@ -144,10 +144,13 @@ def with_interaction(examples: list[Example], name: str | None) -> list[Example]
 # Fields
 
 
-def text_field(row: dict, key: str, label: str) -> str:
+def text_field(row: dict, key: str, label: str, numbers: bool = False) -> str:
+    """The text at `key`; with `numbers`, a whole number (an int column, or a float like 42.0) as its text too."""
     value = row.get(key)
     if value is None:
         raise BadRow(f"{label} is missing")
+    if numbers and isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer():
+        return str(int(value))
     if not isinstance(value, str):
         raise BadRow(f"{label} is {type(value).__name__} {_short(value)}, expected text")
     if not value.strip():
@@ -202,9 +205,10 @@ def mapped_example(row: dict, index: int, columns: ColumnMapping, default_data_s
     else:
         question = text_field(row, columns.question, label("question"))
         prompt = [{"role": "user", "content": question}]
-    answer = text_field(row, columns.answer, label("answer"))
+    answer = text_field(row, columns.answer, label("answer"), numbers=True)  # an int column of final answers
     response = text_field(row, columns.response, label("response")) if columns.response else answer
-    data_source = text_field(row, columns.data_source, label("data_source")) if columns.data_source else None
+    data_source = (text_field(row, columns.data_source, label("data_source"))
+                   if columns.data_source and row.get(columns.data_source) is not None else None)  # None: the default
     return Example(
         prompt=prompt,
         ground_truth=ground_truth_of(answer, label("answer")),
@@ -227,7 +231,8 @@ def verl_example(row: dict, index: int, columns: ColumnMapping, default_data_sou
     extra = row.get("extra_info") or {}
     if not isinstance(extra, dict):
         raise BadRow(f"field 'extra_info' is {_short(extra)}, expected a struct/object")
-    data_source = text_field(row, "data_source", "field 'data_source'") if "data_source" in row else None
+    data_source = (text_field(row, "data_source", "field 'data_source'")
+                   if row.get("data_source") is not None else None)  # a null (a parquet's missing value): the default
     answer = extra.get("answer") if isinstance(extra.get("answer"), str) else ground_truth
     response = text_field(row, columns.response, f"field {columns.response!r}") if columns.response else answer
     question = extra.get("question")

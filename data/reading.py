@@ -67,6 +67,8 @@ def read_rows(path: Path) -> Iterator[Row]:
     index = 0
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Notepad, Excel, PowerShell)
             row = _json_row(raw)
             if row is None:
                 continue

@@ -307,7 +307,7 @@ BAD_ROWS = [
     {"question": "What is 1 + 1?", "answer": "2"},
     {"question": "What is 2 + 2?", "answer": "4"},
     {"question": "What is 3 + 3?"},  # row 2: no answer
-    {"question": "What is 4 + 4?", "answer": 8},  # row 3: a number where text is expected
+    {"question": "What is 4 + 4?", "answer": 8.5},  # row 3: a fraction where text is expected
     {"question": "", "answer": "0"},  # row 4: empty prompt
     "{not json",  # row 5
     {"question": "What is 5 + 5?", "answer": "10"},
@@ -330,12 +330,31 @@ def test_bad_row_error_names_row_and_field(tmp_path):
 
 def test_bad_row_wrong_types(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", [BAD_ROWS[0], BAD_ROWS[3]])
-    with pytest.raises(ValueError, match=r"row 1 \(line 2\) of data.jsonl: field 'answer' .* is int 8, expected text"):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\) of data.jsonl: field 'answer' .* is float 8.5, expected "
+                                         r"text"):
         run_data_prep(DataConfig(source="file", path=str(data)), 0, tmp_path / "out")
     verl = [{"prompt": "not a list", "reward_model": {"ground_truth": "1"}, "data_source": "x"}]
     pq.write_table(pa.Table.from_pylist(verl), tmp_path / "v.parquet")
     with pytest.raises(ValueError, match=r"row 0 of v.parquet: field 'prompt' is str 'not a list', expected a chat"):
         run_data_prep(DataConfig(source="file", path=str(tmp_path / "v.parquet")), 0, tmp_path / "out")
+
+
+def test_whole_number_answers_a_bom_and_null_data_sources_are_read(tmp_path):
+    """An int answer column (parquet or JSONL from a spreadsheet) was a bad row each; a UTF-8 byte order mark made
+    line 1 bad JSON; a null data_source failed instead of taking data.data_source, as the README says."""
+    lines = [json.dumps({"question": f"What is {i} + 1?", "answer": i + 1, "src": None if i % 2 else "mine"})
+             for i in range(10)]
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    cfg = DataConfig(source="file", path=str(data), columns=ColumnMapping(data_source="src"), data_source="fallback",
+                     validation_fraction=0.2)
+    stats = run_data_prep(cfg, 0, tmp_path / "out")
+    assert stats["num_train"] + stats["num_validation"] == 10 and stats["num_skipped_rows"] == 0
+    out = rows(tmp_path / "out" / "train.parquet") + rows(tmp_path / "out" / "validation.parquet")
+    assert {r["extra_info"]["index"]: r["reward_model"]["ground_truth"] for r in out} == {
+        i: str(i + 1) for i in range(10)}
+    assert {r["extra_info"]["index"]: r["data_source"] for r in out} == {
+        i: "fallback" if i % 2 else "mine" for i in range(10)}
 
 
 def test_bad_rows_skip_counts(tmp_path, caplog):
