@@ -27,6 +27,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from infra.artifacts import code_version
 
 MAX_TEXT = 1500  # characters of a prompt/response shown per rollout
+FACT_CHARS = 200  # characters of one fact (a ground truth, a group id) in a rollout card's line
 EVAL_ORDER = ("base", "sft", "rl")  # labels first in this order, then the others sorted
 
 
@@ -137,7 +138,7 @@ def _style(ax, panel: Panel, values: list[float]) -> None:
         ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         ax.ticklabel_format(axis="y", useOffset=False)  # no '+5.633' offset text over the title
-    if panel.ylim:
+    if panel.ylim and all(panel.ylim[0] <= v <= panel.ylim[1] for v in values):  # a -1/+1 score: its own range
         ax.set_ylim(*panel.ylim)
     ax.set_title(panel.title, fontsize=12)
     ax.set_xlabel("step", fontsize=10)
@@ -233,7 +234,7 @@ def timing_table(metrics: dict[str, list[tuple[int, float]]]) -> str:
 def rollout_cards(title: str, rows: list[dict]) -> str:
     cards = []
     for r in rows:
-        facts = " · ".join(f"{k} <b>{html.escape(_fmt(r[k]))}</b>" for k in
+        facts = " · ".join(f"{k} <b>{html.escape(_clip(_fmt(r[k]), FACT_CHARS))}</b>" for k in
                            ("step", "score", "reward", "advantage", "num_response_tokens", "finish_reason",
                             "ground_truth", "group_id") if k in r)
         shown = ("prompt", "response") if not r.get("turns") else ("prompt",)
@@ -251,11 +252,13 @@ def _turn_label(turn: dict) -> str:
     return f"tool {turn.get('tool_name') or '(not run)'}" + (" (error)" if turn.get("error") else "")
 
 
-def _clip(text) -> str:
-    """Text for a <pre>: control characters as visible escapes (HTML cannot hold them), long text cut."""
+def _clip(text, limit: int = 0) -> str:
+    """Text for a <pre>: control characters as visible escapes (HTML cannot hold them), long text cut at `limit`
+    characters (MAX_TEXT when 0)."""
+    limit = limit or MAX_TEXT
     text = "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else f"\\x{ord(c):02x}"
                    for c in ("" if text is None else str(text)))
-    return text if len(text) <= MAX_TEXT else f"{text[:MAX_TEXT]}... ({len(text) - MAX_TEXT} more characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 # ---------------------------------------------------------------------------------------------- page

@@ -298,3 +298,24 @@ def test_cli_out_takes_any_file_name_and_names_itself_in_errors(local, tmp_path,
         assert captured.out == "" and captured.err.startswith(f"error: --out {str(bad)!r}") and why in captured.err
         assert "storage.root" not in captured.err
     assert a_file.read_text() == "x" and [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_the_accuracy_panel_keeps_its_range_only_for_accuracies():
+    """A reward without acc puts its score in val/acc/*: -1/+1 scores were drawn off the fixed 0..1 axes."""
+    from matplotlib.figure import Figure
+
+    panel = next(p for p in report_render.PANELS if p.ylim)
+    for values, low in (([0.2, 0.5, 0.9], panel.ylim[0]), ([-0.8, -0.2, 0.4], -0.8)):
+        ax = Figure().add_subplot()
+        ax.plot([1, 2, 3], values)
+        report_render._style(ax, panel, values)
+        assert ax.get_ylim()[0] <= low and ax.get_ylim()[1] >= max(values)
+    fixed = Figure().add_subplot()
+    report_render._style(fixed, panel, [0.2, 0.5])
+    assert fixed.get_ylim() == panel.ylim
+
+
+def test_a_rollout_cards_facts_hold_no_control_characters_and_are_cut():
+    html = report_render.rollout_cards("t", [{"step": 1, "ground_truth": "a\x00\x1b[31m" + "9" * 500,
+                                              "prompt": "p", "response": "r"}])
+    assert "\x00" not in html and "\x1b" not in html and "\\x00" in html and "more characters" in html
