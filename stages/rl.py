@@ -115,8 +115,9 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
         multi_turn = self.rl.multi_turn  # a bad tools or interactions file fails here, before workers start
         tools, interactions = load_rollout_tools(multi_turn), load_rollout_interactions(multi_turn)
-        self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data, tool_schemas(tools))
-        self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data, tool_schemas(tools))
+        schemas = tool_schemas(tools)  # rendered into tool_agent prompts, as verl's tool agent loop does
+        self.train = load_prompts(data_dir / "train.parquet", self.tokenizer, cfg.data, schemas)
+        self.val = load_prompts(data_dir / "validation.parquet", self.tokenizer, cfg.data, schemas)
         self.world_size = cfg.ray.num_devices_per_node * cfg.ray.num_nodes
         self.mini_rows = self.rl.actor.ppo_mini_batch_size * self.rl.rollout.n  # one optimizer step
         self.placement, self.actor, self.critic, self.reward_model, self.engines = None, None, None, None, None
