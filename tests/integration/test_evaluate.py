@@ -134,7 +134,7 @@ def test_results_reach_the_evals_view_and_the_comparison(vllm_result, hf_result,
         assert set(eval_rows(record)[0]) | {"time"} == set(EVAL_COLUMNS)  # the schema the empty view declares
         tables.write_evals(label, eval_rows(record))
     rows = query(str(tmp_path / "store"), f"SELECT {columns} FROM evals ORDER BY label, data_source, metric")
-    assert len(rows) == 2 + 8  # base: acc for the source and all; rl: acc + mean/best/maj@4, twice
+    assert len(rows) == 2 + 10  # base: acc for the source and all; rl: acc + mean/best/worst/maj@4, twice
     assert {(r["label"], r["engine"], r["model"]) for r in rows} == {
         ("base", "hf", "model/base@0123456789abcdef"), ("rl", "vllm", "model/rl@0123456789abcdef")}
     got = {(r["label"], r["data_source"], r["metric"]): r["value"] for r in rows}
