@@ -307,10 +307,11 @@ def test_the_accuracy_panel_keeps_its_range_only_for_accuracies():
     panel = next(p for p in report_render.PANELS if p.ylim)
     for values, low in (([0.2, 0.5, 0.9], panel.ylim[0]), ([-0.8, -0.2, 0.4], -0.8)):
         ax = Figure().add_subplot()
-        ax.plot([1, 2, 3], values)
+        ax.plot([1, 2, 3], values, label="val/acc/mean@1")
         report_render._style(ax, panel, values)
         assert ax.get_ylim()[0] <= low and ax.get_ylim()[1] >= max(values)
     fixed = Figure().add_subplot()
+    fixed.plot([1, 2], [0.2, 0.5], label="val/acc/mean@1")
     report_render._style(fixed, panel, [0.2, 0.5])
     assert fixed.get_ylim() == panel.ylim
 
