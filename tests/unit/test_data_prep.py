@@ -271,7 +271,8 @@ def test_empty_kwargs_in_verl_extra_info_are_written(tmp_path):
     data = write_jsonl(tmp_path / "verl.jsonl", verl_rows)
     run_data_prep(DataConfig(source="file", path=str(data), validation_fraction=0.2), 0, tmp_path / "out")
     [row, *_] = rows(tmp_path / "out" / "train.parquet")
-    assert row["extra_info"]["tools_kwargs"] == {"clock": {"create_kwargs": None}} and row["extra_info"]["other"] is None
+    assert row["extra_info"]["tools_kwargs"] == {"clock": {"create_kwargs": None}}
+    assert row["extra_info"]["other"] is None
 
 
 def test_file_mapped_column_absent(tmp_path):
