@@ -205,11 +205,18 @@ def rl_table(examples: list[Example], split: str, schema: pa.Schema) -> pa.Table
 
 
 def sft_table(examples: list[Example]) -> pa.Table:
-    if not any(e.sft_turns for e in examples):
-        return pa.Table.from_pylist([{"prompt": e.prompt, "response": e.response} for e in examples],
-                                    schema=SFT_SCHEMA)
-    rows = [{"prompt": e.prompt, "response": e.response, "turns": e.sft_turns or []} for e in examples]
-    return pa.Table.from_pylist(rows, schema=SFT_SCHEMA.append(pa.field("turns", CHAT)))
+    """prompt, response; `turns` when a row is a conversation with tools; `agent_name` when a row names its loop (SFT
+    renders the tools into tool_agent rows' prompts, as RL does)."""
+    schema, rows = SFT_SCHEMA, [{"prompt": e.prompt, "response": e.response} for e in examples]
+    if any(e.sft_turns for e in examples):
+        schema = schema.append(pa.field("turns", CHAT))
+        for row, e in zip(rows, examples):
+            row["turns"] = e.sft_turns or []
+    if any(e.agent_name for e in examples):
+        schema = schema.append(pa.field("agent_name", pa.string()))
+        for row, e in zip(rows, examples):
+            row["agent_name"] = e.agent_name
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def corpus_texts(out_dir: Path) -> list[str]:

@@ -122,7 +122,7 @@ def run_sft(cfg: Config, model_dir: Path, data_dir: Path, out_dir: Path, checkpo
             tracker: Tracker) -> SFTResult:
     """Train from `model_dir` on `data_dir`/sft_*.parquet; the final HF folder goes to `out_dir`."""
     tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    tools = tool_schemas(load_rollout_tools(cfg.rl.multi_turn))  # a multi-turn row's prompt as RL's tool_agent's
+    tools = tool_schemas(load_rollout_tools(cfg.rl.multi_turn))  # a tool_agent row's prompt as RL's
     train = tokenize_sft(data_dir / "sft_train.parquet", tokenizer, cfg.data, tools)
     val = tokenize_sft(data_dir / "sft_validation.parquet", tokenizer, cfg.data, tools)
     steps_per_epoch = len(train) // cfg.sft.train_batch_size

@@ -28,12 +28,13 @@ class SFTExample:
 
 def tokenize_sft(path: Path, tokenizer, cfg: DataConfig, tools: list[dict] | None = None) -> list[SFTExample]:
     """Prompt through the chat template + response + EOS; long prompts follow data.* (filter/truncate). `tools`
-    (the rollout's tool schemas) are rendered into the prompts of multi-turn rows, as RL's tool_agent prompts."""
-    columns = ["prompt", "response"] + (["turns"] if "turns" in pq.read_schema(path).names else [])
+    (the rollout's tool schemas) are rendered into the prompts of tool_agent rows, as RL's (data_prep.load_prompts)."""
+    names = pq.read_schema(path).names
+    columns = ["prompt", "response"] + [name for name in ("turns", "agent_name") if name in names]
     table = pq.read_table(path, columns=columns).to_pylist()
     examples, num_filtered, num_truncated, num_cut = [], 0, 0, 0
     for i, row in enumerate(table):
-        prompt = chat_prompt_ids(tokenizer, row["prompt"], tools if row.get("turns") else None)
+        prompt = chat_prompt_ids(tokenizer, row["prompt"], tools if row.get("agent_name") == "tool_agent" else None)
         if len(prompt) > cfg.max_prompt_length:
             if cfg.filter_overlong_prompts:
                 num_filtered += 1

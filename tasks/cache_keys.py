@@ -46,7 +46,8 @@ from infra.store import ArtifactStore  # noqa: E402
 # What each stage's output is, as far as the cache is concerned; a stage not named here is at 1. Bump one when a fix
 # changes the stage's output for the same config and inputs. merge 2: merged models are cast to the run's dtype
 # (before: float32 whatever model.dtype said). data-prep 2: data.max_train_samples / max_validation_samples draw rows
-# at random (before: the first rows); without caps the dataset is the same bytes, so the stages after it stay cached.
+# at random (before: the first rows), and SFT files of tool_agent rows name it (agent_name); other datasets are the
+# same bytes, so the stages after them stay cached.
 OUTPUT_VERSIONS = {"merge": 2, "data-prep": 2}
 
 

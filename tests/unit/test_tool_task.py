@@ -57,7 +57,8 @@ TOOLS_TEMPLATE = (  # Qwen2.5's way: the tool schemas in a system block before t
 
 def test_tool_agent_prompts_and_multi_turn_sft_prompts_show_the_tools(task, tmp_path):
     """As verl's tool agent loop (apply_chat_template(tools=...)): a model whose template renders tools reads their
-    schemas in RL's tool_agent prompts, and SFT's multi-turn rows have the same prompt; other rows do not."""
+    schemas in RL's tool_agent prompts, and SFT's rows of the task, with a tool call or without, have the same
+    prompts; rows of another loop do not."""
     import copy
 
     from stages.agent.rollout import load_rollout_tools, tool_schemas
@@ -79,8 +80,14 @@ def test_tool_agent_prompts_and_multi_turn_sft_prompts_show_the_tools(task, tmp_
     sft = pq.read_table(out / "sft_train.parquet").to_pylist()
     examples = tokenize_sft(out / "sft_train.parquet", tokenizer, data, schemas)
     multi, direct = (next(k for k, r in enumerate(sft) if bool(r["turns"]) == want) for want in (True, False))
-    shown = [tokenizer.decode(examples[k].input_ids[:examples[k].num_prompt_tokens]) for k in (multi, direct)]
-    assert '"name": "calculator"' in shown[0] and "# Tools" not in shown[1]
+    for k in (multi, direct):  # the direct answers too: RL's prompt of the same question shows the tools
+        prompt = tokenizer.decode(examples[k].input_ids[:examples[k].num_prompt_tokens])
+        assert prompt == tokenizer.decode(prompts.prompt_ids[0]).replace(sft[0]["prompt"][-1]["content"],
+                                                                         sft[k]["prompt"][-1]["content"])
+    other = [{**row, "agent_name": "single_turn"} for row in sft[:2]]
+    pq.write_table(pa.Table.from_pylist(other), tmp_path / "sft_single.parquet")
+    single = tokenize_sft(tmp_path / "sft_single.parquet", tokenizer, data, schemas)
+    assert "# Tools" not in tokenizer.decode(single[0].input_ids)
 
 
 def test_sft_layout_is_the_loops_layout(task):
