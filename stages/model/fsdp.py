@@ -237,7 +237,7 @@ def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opt
              "scheduler": scheduler.state_dict()}
     dcp.save(state, checkpoint_id=str(folder))
     if unstepped:
-        _forget_state(optimizer)
+        optimizer.state.clear()  # made again at the first step (OffloadedAdamW's host copies are refilled then)
         if not dist.is_initialized() or dist.get_rank() == 0:
             (Path(folder) / UNSTEPPED).touch()
 
@@ -254,16 +254,8 @@ def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opt
     set_model_state_dict(module, state["model"])
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
     if (Path(folder) / UNSTEPPED).is_file():
-        _forget_state(optimizer)
+        optimizer.state.clear()  # saved before its first step: made again at that step
     scheduler.load_state_dict(state["scheduler"])
-
-
-def _forget_state(optimizer: torch.optim.Optimizer) -> None:
-    """Back to an optimizer that has never stepped (its state is made at its first step)."""
-    optimizer.state.clear()
-    if hasattr(optimizer, "_host"):  # OffloadedAdamW's host copies of the moments
-        optimizer._host.clear()
-        optimizer._offloaded = False
 
 
 def read_checkpoint_model_state(ckpt_dir: str | Path, role: str = "actor") -> dict[str, torch.Tensor]:
