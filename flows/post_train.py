@@ -321,13 +321,11 @@ def _check_ray_address(address: str | None) -> None:
         reason = f"no answer within {RAY_CONNECT_TIMEOUT_S} s"
     except OSError as exc:
         reason = exc.strerror or str(exc)
+    from infra.cluster import start_advice
+
     # ray://'s port is the Ray client server's, not the head's: no --port to suggest for it
-    default = port == "6379" or address.startswith("ray://")
-    start = "make ray-up" if default else f'make ray-up ARGS="--port {port}"'
-    raise ConfigError(f"ray.address={address}: no Ray cluster listens there ({reason}). Start its head on that host "
-                      f"first (`{start}`, which runs `python -m infra.cluster up`; `python -m infra.cluster status` "
-                      "shows a running one's address), or set ray.address=null to have each stage start a local Ray "
-                      "cluster")
+    advice = start_advice(None if address.startswith("ray://") else int(port))
+    raise ConfigError(f"ray.address={address}: no Ray cluster listens there ({reason}). {advice}")
 
 
 def main(argv: list[str]) -> int:

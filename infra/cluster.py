@@ -42,6 +42,14 @@ READY_LINE = "Ray runtime started"  # what `ray start` prints once the head node
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's ray, the version the runs import
 
 
+def start_advice(port: int | None = None) -> str:
+    """What to do about a ray.address where no head answers (the preflight's and `init_ray`'s errors)."""
+    start = "make ray-up" if port in (None, DEFAULT_PORT) else f'make ray-up ARGS="--port {port}"'
+    return (f"Start its head on that host first (`{start}`, which runs `python -m infra.cluster up`; `python -m "
+            "infra.cluster status` shows a running one's address), or set ray.address=null to have each stage start "
+            "a local Ray cluster")
+
+
 class ClusterError(RuntimeError):
     """The cluster could not be started or stopped; the message says why and what to do."""
 

@@ -76,17 +76,15 @@ def init_ray(cfg: RayConfig) -> bool:
     # tracking.console), not to Python's last-resort stderr.
     logging.getLogger("ray").propagate = True
     if cfg.address:
-        from infra.cluster import attach_auth
+        from infra.cluster import attach_auth, start_advice
 
         attach_auth()  # a `ray start` cluster uses token authentication when a token exists
         try:
             ray.init(address=cfg.address, runtime_env=runtime_env, namespace="rlpipe", log_to_driver=True,
                      configure_logging=False)
         except ConnectionError as exc:  # an OSError, which `transient` retries; this one a retry meets again
-            raise RayUnreachable(
-                f"ray.address={cfg.address}: no Ray cluster answered there ({exc}). Start its head first "
-                "(`make ray-up`, which runs `python -m infra.cluster up`; `python -m infra.cluster status` shows a "
-                "running one's address), or set ray.address=null to have each stage start a local Ray cluster") from exc
+            raise RayUnreachable(f"ray.address={cfg.address}: no Ray cluster answered there ({exc}). "
+                                 f"{start_advice()}") from exc
         logger.info("attached to Ray cluster at %s", cfg.address)
     else:  # "local": a new cluster even when `ray start` runs on this machine (ray.init() would attach to it)
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=runtime_env,

@@ -145,7 +145,7 @@ def test_ray_init_failing_to_connect_is_a_config_error_that_is_not_retried(monke
     assert not retried(info.value)
     assert type(info.value).__name__ == "RayUnreachable" and isinstance(info.value.__cause__, ConnectionError)
     assert str(info.value).startswith("ray.address=127.0.0.1:1: no Ray cluster answered there (Failed to connect to "
-                                      "Ray cluster at 127.0.0.1:1). Start its head first (`make ray-up`")
+                                      "Ray cluster at 127.0.0.1:1). Start its head on that host first (`make ray-up`")
     assert retried(StoreError("s3://bucket: no answer within 18 s"))
     assert retried(ConnectionError("the store's endpoint dropped the connection"))
 
