@@ -82,12 +82,17 @@ def test_hub_ids_and_artifact_refs_are_taken_as_they_are():
     assert cache_keys._input_identity("model/sft@0123456789abcdef") == "model/sft@0123456789abcdef"
 
 
-def test_the_math_scorer_is_part_of_the_rl_and_eval_keys(tmp_path):
+def local_model_keys(tmp_path, *overrides: str) -> dict[str, str]:
+    """The stages' keys of a config with a local model folder (`tmp_path`/model) and `overrides`."""
     model = tmp_path / "model"
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    verl = keys(load_config(None, [f"model.path={model}"]), str(model))
-    math_verify = keys(load_config(None, [f"model.path={model}", "rl.reward.math_scorer=math_verify"]), str(model))
+    return keys(load_config(None, [f"model.path={model}", *overrides]), str(model))
+
+
+def test_the_math_scorer_is_part_of_the_rl_and_eval_keys(tmp_path):
+    verl = local_model_keys(tmp_path)
+    math_verify = local_model_keys(tmp_path, "rl.reward.math_scorer=math_verify")
     assert {k for k in verl if verl[k] != math_verify[k]} == {"rl", "eval"}
 
 
@@ -252,10 +257,6 @@ def test_the_saved_config_with_the_decided_automatic_settings_keeps_the_keys(tmp
 
 def test_the_number_of_eval_workers_is_part_of_the_eval_key(tmp_path):
     """Each eval worker samples its share of the prompts with the run's seed: other shares, other samples."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    one = keys(load_config(None, [f"model.path={model}"]), str(model))
-    two = keys(load_config(None, [f"model.path={model}", "ray.num_devices_per_node=2"]), str(model))
+    one, two = local_model_keys(tmp_path), local_model_keys(tmp_path, "ray.num_devices_per_node=2")
     assert one["eval"] != two["eval"]
     assert one["data"] == two["data"] and one["base"] == two["base"]
